@@ -1,0 +1,1 @@
+"""Op implementations: PyTorch references and Triton kernels (installed as k3compile.kernels)."""

@@ -1,0 +1,1 @@
+"""Graph passes, one per file (installed as k3compile.passes)."""
