@@ -6,7 +6,6 @@ bytes) are computed from it in `k3compile.analysis`, never stored here.
 
 from __future__ import annotations
 
-import re
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -30,6 +29,16 @@ GLOB_RE = r"^[A-Za-z0-9_.*?\[\]-]{1,200}$"
 
 Pos = Annotated[int, Field(ge=1)]
 
+MX_FORMATS = ("mxfp8", "mxfp4")
+
+
+class FieldError(ValueError):
+    """A cross-field check failure naming its field, relative to the model that raises it (for file:line)."""
+
+    def __init__(self, path: str, message: str):
+        super().__init__(message)
+        self.path = path
+
 
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=False, validate_default=True)
@@ -43,7 +52,7 @@ class Layout(_Frozen):
         description="Pattern of K/M letters tiled over the layers, e.g. 'KKKM' for 3 KDA : 1 MLA.",
         pattern=r"^[KM]{1,1024}$",
     )
-    layers: list[Literal["K", "M"]] | None = Field(
+    layers: tuple[Literal["K", "M"], ...] | None = Field(
         default=None, description="Explicit per-layer list of K/M, one per layer; excludes `pattern`."
     )
     last_layer_full: bool = Field(
@@ -77,9 +86,9 @@ class DecayGate(_Frozen):
     @model_validator(mode="after")
     def _bound_matches_form(self) -> "DecayGate":
         if self.form == "lower_bounded_sigmoid" and self.lower_bound is None:
-            raise ValueError("lower_bounded_sigmoid needs `lower_bound` (K3 uses -5.0)")
+            raise FieldError("lower_bound", "lower_bounded_sigmoid needs `lower_bound` (K3 uses -5.0)")
         if self.form == "softplus" and self.lower_bound is not None:
-            raise ValueError("`lower_bound` only applies to form lower_bounded_sigmoid")
+            raise FieldError("lower_bound", "`lower_bound` only applies to form lower_bounded_sigmoid")
         return self
 
 
@@ -120,15 +129,15 @@ class MLA(_Frozen):
     @model_validator(mode="after")
     def _qk_nonempty(self) -> "MLA":
         if self.qk_nope_head_dim + self.qk_rope_head_dim == 0:
-            raise ValueError("qk_nope_head_dim + qk_rope_head_dim must be positive")
+            raise FieldError("qk_nope_head_dim", "qk_nope_head_dim + qk_rope_head_dim must be positive")
         return self
 
 
 class DenseFFN(_Frozen):
     """Dense feed-forward layers (K3: layer 0)."""
 
-    layers: list[Annotated[int, Field(ge=0)]] = Field(
-        default_factory=list, description="0-based indices of layers that use a dense FFN instead of MoE."
+    layers: tuple[Annotated[int, Field(ge=0)], ...] = Field(
+        default=(), description="0-based indices of layers that use a dense FFN instead of MoE."
     )
     intermediate_size: Annotated[int, Field(ge=1, le=MAX_INTERMEDIATE)] = Field(
         description="Intermediate size of the dense FFN."
@@ -136,10 +145,10 @@ class DenseFFN(_Frozen):
 
     @field_validator("layers")
     @classmethod
-    def _sorted_unique(cls, v: list[int]) -> list[int]:
+    def _sorted_unique(cls, v: tuple[int, ...]) -> tuple[int, ...]:
         if len(set(v)) != len(v):
             raise ValueError("dense layer indices must be unique")
-        return sorted(v)
+        return tuple(sorted(v))
 
 
 class Router(_Frozen):
@@ -186,9 +195,9 @@ class MoE(_Frozen):
     @model_validator(mode="after")
     def _consistent(self) -> "MoE":
         if self.top_k > self.num_experts:
-            raise ValueError(f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
+            raise FieldError("top_k", f"top_k ({self.top_k}) exceeds num_experts ({self.num_experts})")
         if self.num_shared_experts > 0 and self.shared_intermediate_size is None:
-            raise ValueError("num_shared_experts > 0 needs shared_intermediate_size")
+            raise FieldError("shared_intermediate_size", "num_shared_experts > 0 needs shared_intermediate_size")
         return self
 
 
@@ -203,9 +212,9 @@ class Activation(_Frozen):
     def _betas(self) -> "Activation":
         has = (self.beta1 is not None, self.beta2 is not None)
         if self.kind == "situ_glu" and has != (True, True):
-            raise ValueError("situ_glu needs beta1 and beta2 (K3: 4 and 25)")
+            raise FieldError("kind", "situ_glu needs beta1 and beta2 (K3: 4 and 25)")
         if self.kind != "situ_glu" and any(has):
-            raise ValueError(f"beta1/beta2 only apply to situ_glu, not {self.kind}")
+            raise FieldError("kind", f"beta1/beta2 only apply to situ_glu, not {self.kind}")
         return self
 
     @property
@@ -227,13 +236,13 @@ class Residual(_Frozen):
     @model_validator(mode="after")
     def _consistent(self) -> "Residual":
         if self.kind == "plain" and (self.mode is not None or self.block_size is not None):
-            raise ValueError("mode/block_size only apply to kind attn_res")
+            raise FieldError("kind", "mode/block_size only apply to kind attn_res")
         if self.kind == "attn_res" and self.mode is None:
-            raise ValueError("attn_res needs mode: block or full")
+            raise FieldError("kind", "attn_res needs mode: block or full")
         if self.mode == "block" and self.block_size is None:
-            raise ValueError("block attention residuals need block_size")
+            raise FieldError("mode", "block attention residuals need block_size")
         if self.mode == "full" and self.block_size is not None:
-            raise ValueError("block_size only applies to mode block")
+            raise FieldError("block_size", "block_size only applies to mode block")
         return self
 
 
@@ -257,7 +266,7 @@ class Quantization(_Frozen):
     default_activation: Format = Field(default="bf16", description="Activation format where no rule matches.")
     block_size: Literal[16, 32, 64] = Field(default=32, description="MX block size (values sharing one E8M0 scale).")
     qat: bool = Field(default=False, description="Train with fake quantisation per the rules (straight-through).")
-    rules: list[QuantRule] = Field(default_factory=list, description="Ordered rules; the first match wins.")
+    rules: tuple[QuantRule, ...] = Field(default=(), description="Ordered rules; the first match wins.")
 
 
 class Parallel(_Frozen):
@@ -345,59 +354,58 @@ class Spec(_Frozen):
     def _cross_field(self) -> "Spec":
         L = self.num_layers
         if self.layout.layers is not None and len(self.layout.layers) != L:
-            raise ValueError(
-                f"layout.layers has {len(self.layout.layers)} entries but num_layers is {L}", "layout.layers"
-            )
+            raise FieldError("layout.layers", f"layout.layers has {len(self.layout.layers)} entries but num_layers is {L}")
         if self.layout.pattern is not None and len(self.layout.pattern) > L:
-            raise ValueError(f"layout.pattern is longer ({len(self.layout.pattern)}) than num_layers ({L})", "layout.pattern")
+            raise FieldError("layout.pattern", f"layout.pattern is longer ({len(self.layout.pattern)}) than num_layers ({L})")
         mixers = self.mixers
         if MIXER_KDA in mixers and self.kda is None:
-            raise ValueError("the layout has KDA layers (K) but no `kda` section", "kda")
+            raise FieldError("kda", "the layout has KDA layers (K) but no `kda` section")
         if MIXER_MLA in mixers and self.mla is None:
-            raise ValueError("the layout has full-attention layers (M) but no `mla` section", "mla")
+            raise FieldError("mla", "the layout has full-attention layers (M) but no `mla` section")
         if self.moe is None and self.dense_ffn is None:
-            raise ValueError("give `moe`, `dense_ffn` or both", "moe")
+            raise FieldError("moe", "give `moe`, `dense_ffn` or both")
         if self.dense_ffn is not None:
             bad = [i for i in self.dense_ffn.layers if i >= L]
             if bad:
-                raise ValueError(f"dense layer {bad[0]} is out of range for {L} layers", "dense_ffn.layers")
+                raise FieldError("dense_ffn.layers", f"dense layer {bad[0]} is out of range for {L} layers")
         if self.moe is not None:
             if self.dense_ffn is not None and len(self.dense_ffn.layers) == L:
-                raise ValueError("every layer is dense, so `moe` is never used", "moe")
+                raise FieldError("moe", "every layer is dense, so `moe` is never used")
             if self.moe.num_experts % self.parallel.ep:
-                raise ValueError(
-                    f"parallel.ep ({self.parallel.ep}) does not divide moe.num_experts ({self.moe.num_experts})",
-                    "parallel.ep",
+                raise FieldError("parallel.ep", f"parallel.ep ({self.parallel.ep}) does not divide moe.num_experts ({self.moe.num_experts})")
+            if self.moe.latent_size is not None and self.moe.latent_size > self.hidden_size:
+                raise FieldError(
+                    "moe.latent_size",
+                    f"latent_size ({self.moe.latent_size}) is wider than hidden_size ({self.hidden_size})",
                 )
-            if self.moe.router.balancing == "aux_loss" and self.moe.router.histogram_bins is not None:
-                raise ValueError("histogram_bins only applies to quantile balancing", "moe.router.histogram_bins")
-        if self.kda is not None and self.kda.decay.form == "lower_bounded_sigmoid":
-            pass
-        if self.tie_embeddings and self.quantization.rules:
-            pass
-        if self.training.seq_len > self.context_length:
-            raise ValueError(
-                f"training.seq_len ({self.training.seq_len}) exceeds context_length ({self.context_length})",
-                "training.seq_len",
+            if self.moe.router.balancing != "quantile" and self.moe.router.histogram_bins is not None:
+                raise FieldError("moe.router.histogram_bins", "histogram_bins only applies to quantile balancing")
+        tp = self.parallel.tp
+        for section in ("kda", "mla"):
+            heads = getattr(self, section).num_heads if getattr(self, section) is not None else None
+            if heads is not None and heads % tp:
+                raise FieldError("parallel.tp", f"parallel.tp ({tp}) does not divide {section}.num_heads ({heads})")
+        if self.parallel.pp > L:
+            raise FieldError("parallel.pp", f"parallel.pp ({self.parallel.pp}) exceeds num_layers ({L})")
+        if self.mla is not None and self.mla.rope and self.mla.qk_rope_head_dim % 2:
+            raise FieldError("mla.qk_rope_head_dim", "RoPE needs an even qk_rope_head_dim")
+        if self.residual.block_size is not None and self.residual.block_size > L:
+            raise FieldError(
+                "residual.block_size", f"residual.block_size ({self.residual.block_size}) exceeds num_layers ({L})"
             )
+        if self.training.seq_len > self.context_length:
+            raise FieldError("training.seq_len", f"training.seq_len ({self.training.seq_len}) exceeds context_length ({self.context_length})")
         self._check_quant_blocks()
         return self
 
     def _check_quant_blocks(self) -> None:
         """Every dimension an MX block runs along (a matmul's input dim) must be a multiple of the block."""
-        from k3compile.spec.quant import mx_weight_dims  # local: quant reads the schema
+        from k3compile.spec.weights import weight_inventory  # local: the inventory reads the schema
 
         block = self.quantization.block_size
-        for module, fmt, in_dim in mx_weight_dims(self):
-            if in_dim % block:
-                raise ValueError(
-                    f"{module} is {fmt} but its input dim {in_dim} is not a multiple of the MX block {block}",
+        for w in weight_inventory(self):
+            if w.format in MX_FORMATS and w.in_dim % block:
+                raise FieldError(
                     "quantization.rules",
+                    f"{w.name} is {w.format} but its input dim {w.in_dim} is not a multiple of the MX block {block}",
                 )
-
-    @field_validator("name")
-    @classmethod
-    def _name_safe(cls, v: str) -> str:
-        if not re.fullmatch(NAME_RE, v):  # pattern already checks; keep the message explicit
-            raise ValueError("name must be letters, digits, '.', '_' or '-'")
-        return v

@@ -1,0 +1,140 @@
+"""The `k3compile` command line: thin, every command a call into the library.
+
+Bad input exits with code 2 and one line per problem (`file:line:col: field: what`),
+never a traceback. Heavy imports (torch) happen only in commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from k3compile import __version__
+
+EXIT_BAD_INPUT = 2
+
+
+class UsageError(Exception):
+    """Bad command-line input that is not a spec error (one line, exit 2)."""
+
+
+def _add_spec_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> None:
+    p.add_argument("spec", help="path to a spec YAML file")
+    if overrides:
+        p.add_argument(
+            "--set",
+            dest="overrides",
+            action="append",
+            default=[],
+            metavar="A.B=VALUE",
+            help="override a field, type-checked like the file (repeatable), e.g. --set moe.top_k=8",
+        )
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="k3compile",
+        description="Compile YAML specs of Kimi-K3-class models (KDA + Gated MLA, latent MoE, AttnRes, MX "
+        "quantisation) into analysed, runnable PyTorch modules.",
+        epilog="Run `k3compile COMMAND --help` for the options of one command.",
+    )
+    parser.add_argument("--version", action="version", version=f"k3compile {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "stats",
+        help="parameters, FLOPs, weight and cache bytes from the spec alone",
+        description="Static analysis from the spec alone (no tensors): parameters (total, active, per component), "
+        "forward FLOPs per token at a context, weight bytes under the quantisation policy and bf16, decode cache "
+        "bytes (and the all-full-attention equivalent), routed-expert bytes per expert-parallel rank.",
+    )
+    _add_spec_args(p)
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
+    p.add_argument("--context", type=_positive, default=None, help="context length N (default: the spec's)")
+    p.add_argument("--batch", type=_positive, default=1, help="decode batch B for cache bytes (default 1)")
+
+    p = sub.add_parser("check", help="validate a spec and print a one-screen summary",
+                       description="Validate a spec (schema and cross-field checks) and summarise it.")
+    _add_spec_args(p)
+
+    p = sub.add_parser(
+        "diff",
+        help="changed fields between two specs, then the change in every derived number",
+        description="Compare two specs: the fields that differ, then every derived number (parameters, FLOPs, "
+        "bytes) side by side with the change.",
+    )
+    p.add_argument("a", help="first spec")
+    p.add_argument("b", help="second spec")
+    p.add_argument("--context", type=_positive, default=None, help="context length for derived numbers")
+    p.add_argument("--json", action="store_true", help="print one JSON document")
+    return parser
+
+
+def _cmd_stats(args) -> None:
+    from k3compile.analysis.stats import spec_stats
+    from k3compile.report import print_stats
+    from k3compile.spec.load import load_spec
+
+    spec = load_spec(args.spec, args.overrides)
+    stats = spec_stats(spec, args.context, args.batch)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        print_stats(stats)
+
+
+def _cmd_check(args) -> None:
+    from k3compile.report import print_check
+    from k3compile.spec.load import load_spec
+
+    print_check(load_spec(args.spec, args.overrides), args.spec)
+
+
+def _cmd_diff(args) -> None:
+    from k3compile.report import print_diff, spec_diff
+    from k3compile.spec.load import load_spec
+
+    diff = spec_diff(load_spec(args.a), load_spec(args.b), args.context)
+    if args.json:
+        print(json.dumps(diff, indent=2))
+    else:
+        print_diff(diff, args.a, args.b)
+
+
+COMMANDS = {"stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from k3compile.spec.load import SpecError
+
+    args = build_parser().parse_args(argv)
+    try:
+        COMMANDS[args.command](args)
+    except SpecError as e:
+        for line in e.lines:
+            print(f"error: {line}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except BrokenPipeError:
+        return 0
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,41 @@
+"""k3 activation ops: situ_glu (K3), swiglu and gelu."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels import activations as ref
+from k3compile.ops.registry import k3_op
+
+
+@k3_op("situ_glu", fake=lambda gate, up, beta1, beta2: torch.empty_like(gate), differentiable=("gate", "up"))
+def situ_glu_op(gate: Tensor, up: Tensor, beta1: float, beta2: float) -> Tensor:
+    return ref.situ_glu_ref(gate, up, beta1, beta2)
+
+
+@k3_op("swiglu", fake=lambda gate, up: torch.empty_like(gate), differentiable=("gate", "up"))
+def swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
+    return ref.swiglu_ref(gate, up)
+
+
+@k3_op("gelu", fake=lambda x, approximate: torch.empty_like(x), differentiable=("x",))
+def gelu_op(x: Tensor, approximate: str) -> Tensor:
+    return ref.gelu_ref(x, approximate)
+
+
+def situ_glu(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
+    """[b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)]; K3 uses b1 = 4, b2 = 25."""
+    return torch.ops.k3.situ_glu.default(gate, up, beta1, beta2)
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    """silu(gate) * up."""
+    return torch.ops.k3.swiglu.default(gate, up)
+
+
+def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+    """GELU, exact (erf) by default; approximate="tanh" selects the tanh form."""
+    if approximate not in ("none", "tanh"):
+        raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {approximate!r}")
+    return torch.ops.k3.gelu.default(x, approximate)

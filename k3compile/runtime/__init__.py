@@ -1,0 +1,1 @@
+"""Training-time runtime pieces: optimisers and their helpers."""

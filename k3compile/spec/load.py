@@ -1,0 +1,295 @@
+"""Loading specs: safe YAML with source positions, `extends:`, `--set` overrides, one-line errors.
+
+Every failure becomes a `SpecError` whose lines read `file:line:col: field.path: what is wrong`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import types
+import typing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ValidationError
+
+from k3compile.spec.schema import FieldError, Spec
+
+MAX_FILE_BYTES = 1 << 20  # a spec is a page of YAML, not a data set
+MAX_NODES = 50_000  # bounds alias expansion ("billion laughs") and absurd documents
+MAX_EXTENDS_DEPTH = 16
+
+Path_ = tuple[str | int, ...]
+
+
+@dataclass(frozen=True)
+class Loc:
+    """A position in a source: file (or override label), 1-based line and column."""
+
+    file: str
+    line: int
+    col: int
+
+    def __str__(self) -> str:
+        return f"{self.file}:{self.line}:{self.col}"
+
+
+class SpecError(Exception):
+    """A bad spec: one or more one-line messages, each `where: field.path: what`."""
+
+    def __init__(self, lines: list[str]):
+        super().__init__("\n".join(lines))
+        self.lines = lines
+
+
+def _fmt_path(path: Path_) -> str:
+    out = ""
+    for p in path:
+        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+    return out or "<spec>"
+
+
+def _err(loc: Loc | str, path: Path_, msg: str) -> SpecError:
+    return SpecError([f"{loc}: {_fmt_path(path)}: {msg}"])
+
+
+# ---------------------------------------------------------------- YAML with positions
+
+
+class _Budget:
+    def __init__(self):
+        self.nodes = 0
+
+    def tick(self, file: str, node: yaml.Node) -> None:
+        self.nodes += 1
+        if self.nodes > MAX_NODES:
+            m = node.start_mark
+            raise SpecError([f"{file}:{m.line + 1}:{m.column + 1}: <spec>: document too large (over {MAX_NODES} nodes)"])
+
+
+def _mark(file: str, node: yaml.Node) -> Loc:
+    return Loc(file, node.start_mark.line + 1, node.start_mark.column + 1)
+
+
+def _to_python(node: yaml.Node, file: str, path: Path_, locs: dict, budget: _Budget, ctor) -> Any:
+    """Build plain data from a composed node, recording where each path came from."""
+    budget.tick(file, node)
+    if isinstance(node, yaml.MappingNode):
+        out: dict[str, Any] = {}
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode):
+                raise _err(_mark(file, key_node), path, "mapping keys must be plain names")
+            key = ctor.construct_object(key_node)
+            if not isinstance(key, str):
+                raise _err(_mark(file, key_node), path, f"key {key!r} is not a name")
+            if key in out:
+                raise _err(_mark(file, key_node), path + (key,), "duplicate key")
+            locs[path + (key,)] = _mark(file, key_node)
+            out[key] = _to_python(value_node, file, path + (key,), locs, budget, ctor)
+        return out
+    if isinstance(node, yaml.SequenceNode):
+        items = []
+        for i, item in enumerate(node.value):
+            locs[path + (i,)] = _mark(file, item)
+            items.append(_to_python(item, file, path + (i,), locs, budget, ctor))
+        return items
+    value = ctor.construct_object(node, deep=True)
+    if isinstance(value, (bytes, bytearray)) or type(value).__module__ == "datetime":
+        raise _err(_mark(file, node), path, f"unsupported YAML value {node.tag}")
+    return value
+
+
+def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
+    locs: dict[Path_, Loc] = {}
+    try:
+        loader = yaml.SafeLoader(text)
+        try:
+            root = loader.get_single_node()
+            if root is None:
+                raise SpecError([f"{file}:1:1: <spec>: the file is empty"])
+            locs[()] = _mark(file, root)
+            if not isinstance(root, yaml.MappingNode):
+                raise _err(_mark(file, root), (), "the top level must be a mapping of fields")
+            data = _to_python(root, file, (), locs, _Budget(), loader)
+        finally:
+            loader.dispose()
+    except yaml.MarkedYAMLError as e:
+        m = e.problem_mark or e.context_mark
+        where = f"{file}:{m.line + 1}:{m.column + 1}" if m else f"{file}:1:1"
+        what = " ".join(str(p) for p in (e.context, e.problem) if p)
+        raise SpecError([f"{where}: <yaml>: invalid YAML: {what}"]) from None
+    except yaml.YAMLError as e:
+        raise SpecError([f"{file}:1:1: <yaml>: invalid YAML: {e}"]) from None
+    except RecursionError:
+        raise SpecError([f"{file}:1:1: <yaml>: nesting too deep"]) from None
+    return data, locs
+
+
+def _read(path: Path, loc: Loc | str, field: Path_) -> str:
+    try:
+        if path.is_dir():
+            raise _err(loc, field, f"{path} is a directory, not a spec file")
+        size = path.stat().st_size
+        if size > MAX_FILE_BYTES:
+            raise _err(loc, field, f"{path} is {size} bytes; a spec may be at most {MAX_FILE_BYTES}")
+        return path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise _err(loc, field, f"no such file: {path}") from None
+    except UnicodeDecodeError:
+        raise _err(loc, field, f"{path} is not UTF-8 text") from None
+    except OSError as e:
+        raise _err(loc, field, f"cannot read {path}: {e.strerror}") from None
+
+
+# ---------------------------------------------------------------- extends and overrides
+
+
+def _merge(base: dict, top: dict) -> dict:
+    """Deep-merge `top` over `base`: mappings merge, everything else replaces."""
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _load_file(path: Path, chain: tuple[Path, ...], loc: Loc | str, field: Path_) -> tuple[dict, dict]:
+    path = path.resolve() if path.exists() else path
+    if path in chain:
+        cycle = " -> ".join(p.name for p in chain + (path,))
+        raise _err(loc, field, f"extends cycle: {cycle}")
+    if len(chain) >= MAX_EXTENDS_DEPTH:
+        raise _err(loc, field, f"extends chain deeper than {MAX_EXTENDS_DEPTH}")
+    file = _display(path)
+    data, locs = _parse_yaml(_read(path, loc, field), file)
+    parent = data.pop("extends", None)
+    if parent is None:
+        return data, locs
+    ploc = locs[("extends",)]
+    if not isinstance(parent, str) or not parent:
+        raise _err(ploc, ("extends",), "extends must be a relative path to another spec file")
+    base, base_locs = _load_file(path.parent / parent, chain + (path,), ploc, ("extends",))
+    locs.pop(("extends",), None)
+    return _merge(base, data), {**base_locs, **locs}
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+def _apply_override(data: dict, locs: dict, text: str, index: int) -> None:
+    label = f"--set[{index}]"
+    key, sep, raw = text.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise _err(f"{label}:1:1", (), f"override {text!r} is not of the form a.b=value")
+    parts: Path_ = tuple(key.split("."))
+    if any(not p.isidentifier() for p in parts):
+        raise _err(f"{label}:1:1", parts, f"override key {key!r} is not a dotted field path")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        raise _err(f"{label}:1:{len(key) + 2}", parts, f"cannot parse override value {raw!r}") from None
+    node = data
+    for i, p in enumerate(parts[:-1]):
+        child = node.get(p)
+        if child is None:
+            child = node[p] = {}
+        elif not isinstance(child, dict):
+            raise _err(f"{label}:1:1", parts[: i + 1], "is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+    loc = Loc(label, 1, len(key) + 2)
+    for p in [q for q in locs if q[: len(parts)] == parts]:
+        del locs[p]
+    locs[parts] = loc
+
+
+# ---------------------------------------------------------------- validation errors
+
+
+def _unwrap(annotation: Any) -> list[Any]:
+    """The model classes an annotation may hold (through Optional, Annotated, tuples)."""
+    origin = typing.get_origin(annotation)
+    if origin is typing.Annotated:
+        return _unwrap(typing.get_args(annotation)[0])
+    if origin in (typing.Union, types.UnionType, tuple, list):
+        return [m for a in typing.get_args(annotation) if a is not Ellipsis for m in _unwrap(a)]
+    return [annotation] if isinstance(annotation, type) and issubclass(annotation, BaseModel) else []
+
+
+def _model_at(path: Path_) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Spec
+    for p in path:
+        if isinstance(p, int):
+            continue
+        if model is None or p not in model.model_fields:
+            return None
+        candidates = _unwrap(model.model_fields[p].annotation)
+        model = candidates[0] if candidates else None
+    return model
+
+
+def _locate(locs: dict, path: Path_, root: Loc | str) -> Loc | str:
+    for n in range(len(path), -1, -1):
+        if path[:n] in locs:
+            return locs[path[:n]]
+    return root
+
+
+def _describe(err: dict) -> tuple[Path_, str]:
+    path: Path_ = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        key = path[-1]
+        model = _model_at(path[:-1])
+        hint = ""
+        if model is not None:
+            close = difflib.get_close_matches(str(key), list(model.model_fields), n=1, cutoff=0.6)
+            hint = f"; did you mean '{close[0]}'?" if close else f"; known fields: {', '.join(model.model_fields)}"
+        return path, f"unknown field '{key}'{hint}"
+    if kind == "missing":
+        return path, "required field is missing"
+    ctx_err = err.get("ctx", {}).get("error")
+    if isinstance(ctx_err, FieldError):
+        return path + tuple(ctx_err.path.split(".")), str(ctx_err)
+    msg = err["msg"].removeprefix("Value error, ")
+    if kind not in ("value_error", "assertion_error") and "input" in err:
+        shown = repr(err["input"])
+        msg += f" (got {shown if len(shown) <= 40 else shown[:37] + '...'})"
+    return path, msg
+
+
+def _validate(data: dict, locs: dict, root: Loc | str) -> Spec:
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as e:
+        lines = []
+        for err in e.errors(include_url=False):
+            path, msg = _describe(err)
+            lines.append(f"{_locate(locs, path, root)}: {_fmt_path(path)}: {msg}")
+        raise SpecError(lines) from None
+
+
+# ---------------------------------------------------------------- public API
+
+
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Spec:
+    """Load, merge (`extends:`), override (`a.b=value`) and validate a spec file."""
+    path = Path(path)
+    data, locs = _load_file(path, (), f"{path}:1:1", ())
+    for i, text in enumerate(overrides, 1):
+        _apply_override(data, locs, text, i)
+    return _validate(data, locs, f"{_display(path)}:1:1")
+
+
+def load_spec_text(text: str, file: str = "<string>") -> Spec:
+    """Validate a spec given as YAML text (no `extends:`)."""
+    data, locs = _parse_yaml(text, file)
+    if "extends" in data:
+        raise _err(locs[("extends",)], ("extends",), "extends needs a spec file, not text")
+    return _validate(data, locs, f"{file}:1:1")

@@ -1,0 +1,208 @@
+"""PyTorch references for the OCP Microscaling (MX v1.0) formats MXFP4 (e2m1) and MXFP8 (e4m3, e5m2).
+
+A block of `block` consecutive values along the last dim shares one E8M0 scale byte
+(X = 2^(byte - 127), 0xFF = NaN). Quantisation follows the OCP rule:
+X = 2^(floor(log2(amax)) - emax_elem), then each element x / X is rounded to nearest,
+ties to even, in the element format (subnormals included) and saturated to +-max.
+
+Decisions where OCP leaves a choice (all tested in tests/kernels/test_mx.py):
+- All-zero block: amax = 0 gives log2 = -inf, which the E8M0 clamp turns into 0x00 (2^-127);
+  the payload keeps each zero's sign.
+- A block with a NaN or an Inf gets scale 0xFF (NaN) and an all-zero payload, so the whole
+  block decodes to NaN. E8M0 has no Inf and the floor rule is undefined at Inf; OCP lets
+  implementations treat Inf like NaN for the scale.
+- The shared exponent is clamped to E8M0's range [-127, 127] (tiny blocks flush towards zero,
+  huge float64 blocks saturate).
+- e2m1 payload: uint8 [..., n/2], element 2i in the low nibble, 2i+1 in the high nibble, sign in bit 3.
+  e4m3 / e5m2 payload: torch.float8_e4m3fn / torch.float8_e5m2 tensors [..., n]; dequantisation also
+  accepts their uint8 bit patterns.
+- The rounding is done here in float64, exact for every fp64/fp32/bf16/fp16 input (one rounding,
+  never double rounding); the fp8 casts below only ever see values that are already representable.
+
+`mx_bytes` and `MX_FORMATS` are plain Python so static analysis can size MX tensors without torch math.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+
+class MXFormat(NamedTuple):
+    """Element format parameters: width in bits, mantissa bits, min normal exponent, max exponent, max value."""
+
+    bits: int
+    mbits: int
+    emin: int
+    emax: int
+    max: float
+
+
+MX_FORMATS: dict[str, MXFormat] = {
+    "e2m1": MXFormat(bits=4, mbits=1, emin=0, emax=2, max=6.0),
+    "e4m3": MXFormat(bits=8, mbits=3, emin=-6, emax=8, max=448.0),
+    "e5m2": MXFormat(bits=8, mbits=2, emin=-14, emax=15, max=57344.0),
+}
+
+E8M0_BIAS = 127
+E8M0_NAN = 0xFF
+# The 8 e2m1 magnitudes, indexed by the 3-bit code (exponent bits, mantissa bit).
+E2M1_MAGNITUDES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_FP8_DTYPES = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
+
+
+def mx_format(fmt: str) -> MXFormat:
+    """The element format's parameters; ValueError for an unknown name."""
+    if fmt not in MX_FORMATS:
+        raise ValueError(f"unknown MX element format {fmt!r}; expected one of {sorted(MX_FORMATS)}")
+    return MX_FORMATS[fmt]
+
+
+def mx_bytes(numel: int, fmt: str, block: int = 32) -> int:
+    """Exact storage in bytes of `numel` values in MX format: payload plus one E8M0 byte per block.
+
+    numel must be a whole number of blocks (and even for e2m1, two elements per byte),
+    the same rule `mx_quantize` enforces on the last dim.
+    """
+    f = mx_format(fmt)
+    if block <= 0 or numel < 0 or numel % block:
+        raise ValueError(f"MX storage needs a whole number of blocks: numel={numel}, block={block}")
+    if (numel * f.bits) % 8:
+        raise ValueError(f"{fmt} packs {8 // f.bits} elements per byte; numel={numel} does not fill whole bytes")
+    return numel * f.bits // 8 + numel // block
+
+
+def check_mx_shape(n, fmt: str, block: int) -> MXFormat:
+    """Validate a last dim of n elements for MX blocking; returns the format."""
+    f = mx_format(fmt)
+    if block <= 0:
+        raise ValueError(f"MX block size must be positive, got {block}")
+    if n % block != 0:
+        raise ValueError(f"MX quantisation needs the last dim ({n}) to be a multiple of the block size ({block})")
+    if f.bits == 4 and n % 2 != 0:
+        raise ValueError(f"e2m1 packs two elements per byte; the last dim ({n}) must be even")
+    return f
+
+
+def mx_quant_meta(shape: torch.Size | tuple, fmt: str, block: int) -> tuple[tuple, torch.dtype, tuple]:
+    """(payload shape, payload dtype, scale shape) for an input of `shape` (used by the fake impls)."""
+    *lead, n = shape
+    f = check_mx_shape(n, fmt, block)
+    if f.bits == 4:
+        return (*lead, n // 2), torch.uint8, (*lead, n // block)
+    return (*lead, n), _FP8_DTYPES[fmt], (*lead, n // block)
+
+
+def mx_dequant_meta(data_shape: torch.Size | tuple, scale_shape: torch.Size | tuple, fmt: str, block: int) -> tuple:
+    """Shape of the decoded values [..., n], after checking the payload and scale shapes agree."""
+    *lead, m = data_shape
+    n = m * 2 if mx_format(fmt).bits == 4 else m
+    check_mx_shape(n, fmt, block)
+    if len(scale_shape) != len(data_shape) or scale_shape[-1] * block != n:
+        raise ValueError(f"MX scale shape {tuple(scale_shape)} does not match {n} elements in blocks of {block}")
+    return (*lead, n)
+
+
+def _pow2(e: Tensor) -> Tensor:
+    """Exact 2^e in float64 for integer e in [-1022, 1023], built from the exponent bits."""
+    return ((e.to(torch.int64) + 1023) << 52).view(torch.float64)
+
+
+def _floor_log2(a: Tensor) -> Tensor:
+    """floor(log2(a)) exactly for positive finite float64 a (frexp: a = m * 2^k, m in [0.5, 1))."""
+    return torch.frexp(a).exponent.to(torch.int64) - 1
+
+
+def round_to_element(v: Tensor, fmt: str) -> Tensor:
+    """Round float64 values to the element format: nearest, ties to even, subnormals kept, saturated to +-max.
+
+    Exact in float64: the step at |v| is ulp = 2^(max(floor(log2|v|), emin) - mbits), a power of two,
+    so v / ulp is exact and torch.round (half to even) picks the even neighbour on ties.
+    """
+    f = mx_format(fmt)
+    mag = v.abs()
+    exp = torch.clamp(_floor_log2(torch.where(mag > 0, mag, 1.0)), min=f.emin)
+    ulp = _pow2(exp - f.mbits)
+    q = torch.clamp(torch.round(mag / ulp) * ulp, max=f.max)
+    return torch.copysign(q, v)
+
+
+def _e2m1_codes(q: Tensor) -> Tensor:
+    """4-bit codes (sign in bit 3) of float64 values already on the e2m1 grid."""
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64, device=q.device)
+    code = torch.searchsorted(table, q.abs())
+    return (code + torch.signbit(q).to(code.dtype) * 8).to(torch.uint8)
+
+
+def pack_e2m1(codes: Tensor) -> Tensor:
+    """Pack 4-bit codes [..., n] into bytes [..., n/2]: element 2i low nibble, 2i+1 high nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_e2m1(data: Tensor) -> Tensor:
+    """Inverse of `pack_e2m1`: bytes [..., n/2] to 4-bit codes [..., n]."""
+    return torch.stack((data & 0x0F, data >> 4), dim=-1).flatten(-2)
+
+
+def decode_e2m1(codes: Tensor) -> Tensor:
+    """Values (float64) of 4-bit e2m1 codes."""
+    table = torch.tensor(E2M1_MAGNITUDES, dtype=torch.float64, device=codes.device)
+    mag = table[(codes & 0x7).long()]
+    return torch.where((codes & 0x8) != 0, -mag, mag)
+
+
+def mx_quantize_ref(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tensor]:
+    """Quantise x [..., n] to MX: (payload, E8M0 scales [..., n/block] uint8).
+
+    The payload is uint8 [..., n/2] for e2m1 (packed), float8_e4m3fn / float8_e5m2 [..., n] for fp8.
+    """
+    f = check_mx_shape(x.shape[-1], fmt, block)
+    xb = x.to(torch.float64).unflatten(-1, (-1, block))  # [..., nb, block]
+    special = (~torch.isfinite(xb)).any(dim=-1, keepdim=True)  # NaN or Inf: NaN scale
+    xb = torch.where(special, 0.0, xb)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    shared = torch.where(amax > 0, _floor_log2(torch.where(amax > 0, amax, 1.0)) - f.emax, -E8M0_BIAS)
+    shared = shared.clamp(-E8M0_BIAS, E8M0_BIAS)
+    q = round_to_element(xb * _pow2(-shared), fmt).flatten(-2)
+    scale = torch.where(special, E8M0_NAN, shared + E8M0_BIAS).squeeze(-1).to(torch.uint8)
+    if f.bits == 4:
+        return pack_e2m1(_e2m1_codes(q)), scale
+    return q.to(_FP8_DTYPES[fmt]), scale
+
+
+def mx_dequantize_ref(
+    data: Tensor, scale: Tensor, fmt: str, block: int = 32, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Decode MX payload + E8M0 scales to values [..., n] in `dtype`; a 0xFF scale gives a NaN block."""
+    mx_dequant_meta(data.shape, scale.shape, fmt, block)
+    if mx_format(fmt).bits == 4:
+        elems = decode_e2m1(unpack_e2m1(data))
+    else:
+        raw = data.view(_FP8_DTYPES[fmt]) if data.dtype == torch.uint8 else data
+        elems = raw.to(torch.float64)
+    s = scale.to(torch.int64).unsqueeze(-1)
+    factor = torch.where(s == E8M0_NAN, torch.nan, _pow2(s - E8M0_BIAS))
+    return (elems.unflatten(-1, (-1, block)) * factor).flatten(-2).to(dtype)
+
+
+def mx_fake_quantize_ref(x: Tensor, fmt: str, block: int = 32) -> Tensor:
+    """dequant(quant(x)) in x's dtype: the values an MX round trip leaves."""
+    data, scale = mx_quantize_ref(x, fmt, block)
+    return mx_dequantize_ref(data, scale, fmt, block, x.dtype)
+
+
+def mx_linear_ref(
+    x: Tensor, data: Tensor, scale: Tensor, fmt: str = "e2m1", block: int = 32, act_fmt: str | None = None
+) -> Tensor:
+    """y = x @ dequant(W)^T for MX weights W [out, in] blocked along `in`; optional MX fake-quant of x.
+
+    Computes in fp32 (fp64 for fp64 x) and returns x's dtype.
+    """
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = mx_dequantize_ref(data, scale, fmt, block, acc)
+    xa = x.to(acc)
+    if act_fmt is not None:
+        xa = mx_fake_quantize_ref(xa, act_fmt, block)
+    return (xa @ w.T).to(x.dtype)

@@ -1,0 +1,45 @@
+"""Causal depthwise short convolution with a decoding state (KDA's ShortConv on q, k, v).
+
+y_t[c] = SiLU( sum_{w < W} weight[c, w] * x_{t - (W-1) + w}[c] ): the last tap multiplies the current token.
+The state is the last W-1 inputs, [B, C, W-1] (oldest first), so prefill and token-by-token decoding
+give the same outputs. The SiLU is part of the op (the KDA layer always applies it right after the conv).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def short_conv_ref(
+    x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """SiLU(causal depthwise conv(x)) in fp32 (float64 for float64 inputs): (y_BTC in x's dtype, state_BC(W-1))."""
+    dtype = torch.float64 if x_BTC.dtype == torch.float64 else torch.float32
+    B, T, C = x_BTC.shape
+    W = weight_CW.shape[-1]
+    x_BCT = x_BTC.to(dtype).transpose(1, 2)
+    if initial_state_BCW is None:
+        history = x_BCT.new_zeros(B, C, W - 1)
+    else:
+        history = initial_state_BCW.to(dtype)
+    xp_BCT = torch.cat([history, x_BCT], dim=-1)  # [B, C, W-1+T]
+    y_BCT = F.conv1d(xp_BCT, weight_CW.to(dtype)[:, None, :], groups=C)
+    state = xp_BCT[..., xp_BCT.shape[-1] - (W - 1) :].to(x_BTC.dtype).contiguous()
+    return F.silu(y_BCT).transpose(1, 2).to(x_BTC.dtype), state
+
+
+def short_conv_naive(
+    x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Per-token loop over a rolling window, for tests: same contract as `short_conv_ref`."""
+    B, T, C = x_BTC.shape
+    W = weight_CW.shape[-1]
+    window = x_BTC.new_zeros(B, C, W - 1) if initial_state_BCW is None else initial_state_BCW.clone()
+    ys = []
+    for t in range(T):
+        window = torch.cat([window, x_BTC[:, t, :, None]], dim=-1)  # [B, C, W]
+        ys.append(F.silu((window * weight_CW).sum(-1)))
+        window = window[..., 1:]
+    return torch.stack(ys, dim=1), window

@@ -1,0 +1,96 @@
+"""SiTU-GLU, SwiGLU and GELU: hand formulas, SiTU-GLU's limits, gradchecks, meta, fx and compile."""
+
+import math
+
+import pytest
+import torch
+
+from k3compile.ops.activations import gelu, situ_glu, swiglu
+
+
+def _sig(z):
+    return 1.0 / (1.0 + math.exp(-z))
+
+
+def test_hand_values():
+    # g = 1, u = 2 with b1 = 4, b2 = 25, evaluated in Python floats.
+    want_situ = 4 * math.tanh(1 / 4) * _sig(1.0) * 25 * math.tanh(2 / 25)
+    got = situ_glu(torch.tensor([1.0], dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64), 4.0, 25.0)
+    assert got.item() == pytest.approx(want_situ, rel=1e-12)
+    got = swiglu(torch.tensor([1.0], dtype=torch.float64), torch.tensor([2.0], dtype=torch.float64))
+    assert got.item() == pytest.approx(1 * _sig(1.0) * 2, rel=1e-12)
+    exact = 0.5 * 1.5 * (1 + math.erf(1.5 / math.sqrt(2)))
+    tanh_form = 0.5 * 1.5 * (1 + math.tanh(math.sqrt(2 / math.pi) * (1.5 + 0.044715 * 1.5**3)))
+    x = torch.tensor([1.5], dtype=torch.float64)
+    assert gelu(x).item() == pytest.approx(exact, rel=1e-12)
+    assert gelu(x, "tanh").item() == pytest.approx(tanh_form, rel=1e-12)
+    with pytest.raises(ValueError):
+        gelu(x, "fast")
+
+
+def test_situ_matches_swiglu_to_first_order_near_zero():
+    torch.manual_seed(0)
+    g, u = torch.randn(1000, dtype=torch.float64), torch.randn(1000, dtype=torch.float64)
+    errs = []
+    for eps in (1e-1, 1e-2):
+        s, w = situ_glu(eps * g, eps * u, 4.0, 25.0), swiglu(eps * g, eps * u)
+        errs.append(((s - w).abs().max() / w.abs().max()).item())
+    # The relative gap is O(eps^2) (tanh(z) = z - z^3/3): shrinking eps 10x shrinks it about 100x.
+    assert errs[1] < 2e-5
+    assert errs[0] / errs[1] == pytest.approx(100, rel=0.05)
+
+
+def test_situ_bounded_by_b1_b2():
+    x = torch.tensor([-1e4, -50.0, -3.0, 0.0, 3.0, 50.0, 1e4])
+    g, u = x.repeat_interleave(7), x.repeat(7)
+    y = situ_glu(g, u, 4.0, 25.0)
+    assert y.abs().max() <= 100.0
+    assert y.max().item() == pytest.approx(100.0, rel=1e-6)  # g, u -> +inf saturates at b1*b2
+    assert situ_glu(torch.tensor([1e4]), torch.tensor([1e4]), 2.0, 3.0).item() == pytest.approx(6.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dtypes_kept(dtype):
+    g, u = torch.randn(4, 8, dtype=dtype), torch.randn(4, 8, dtype=dtype)
+    for y in (situ_glu(g, u), swiglu(g, u), gelu(g)):
+        assert y.dtype == dtype
+    want = situ_glu(g.float(), u.float()).to(dtype)
+    assert torch.equal(situ_glu(g, u), want)
+
+
+def test_gradchecks_float64():
+    torch.manual_seed(1)
+    g = torch.randn(3, 5, dtype=torch.float64, requires_grad=True) * 3
+    u = torch.randn(3, 5, dtype=torch.float64, requires_grad=True) * 3
+    g, u = g.detach().requires_grad_(), u.detach().requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: situ_glu(a, b, 4.0, 25.0), (g, u))
+    assert torch.autograd.gradcheck(swiglu, (g, u))
+    assert torch.autograd.gradcheck(gelu, (g,))
+    assert torch.autograd.gradcheck(lambda a: gelu(a, "tanh"), (g,))
+
+
+def test_meta_device():
+    g = torch.empty(2, 3, 8, device="meta", dtype=torch.bfloat16)
+    for y in (situ_glu(g, g), swiglu(g, g), gelu(g)):
+        assert y.device.type == "meta" and y.shape == g.shape and y.dtype == torch.bfloat16
+
+
+class _AllActs(torch.nn.Module):
+    def forward(self, g, u):
+        return situ_glu(g, u, 4.0, 25.0) + swiglu(g, u) + gelu(g, "tanh")
+
+
+def test_symbolic_trace_has_op_nodes():
+    gm = torch.fx.symbolic_trace(_AllActs())
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    for name in ("situ_glu", "swiglu", "gelu"):
+        assert getattr(torch.ops.k3, name).default in targets
+
+
+def test_compile_fullgraph_forward_and_backward():
+    g, u = torch.randn(2, 8, requires_grad=True), torch.randn(2, 8, requires_grad=True)
+    eager = _AllActs()(g, u)
+    compiled = torch.compile(_AllActs(), fullgraph=True, backend="aot_eager")(g, u)
+    torch.testing.assert_close(compiled, eager)
+    compiled.sum().backward()
+    assert g.grad is not None and u.grad is not None
