@@ -20,7 +20,9 @@ def human(n: float | None, unit: str = "") -> str:
 
 
 def _console() -> Console:
-    return Console(highlight=False)
+    """A console that keeps wide tables readable when output is piped (no terminal width to ask)."""
+    con = Console(highlight=False)
+    return con if con.is_terminal else Console(highlight=False, width=140)
 
 
 def print_stats(st: dict) -> None:
