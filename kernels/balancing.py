@@ -49,13 +49,27 @@ def quantile_balance_update(scores_TE: Tensor, bias_E: Tensor, k: int) -> Tensor
     return b_hat - b_hat.mean()
 
 
-def margin_range(bias_E: Tensor) -> tuple[Tensor, Tensor]:
-    """Bounds (lo, hi) of every possible margin s + b - alpha for scores in [0, 1]: +-(1 + max b - min b).
+MARGIN_SCALE = 1e-4  # margins this small get bins about this wide; larger ones get bins ~2% of |margin| wide
 
-    Derived from the bias alone, which every rank holds identically, so all ranks bin alike.
+
+def margin_bin_edges(bias_E: Tensor, bins: int) -> Tensor:
+    """The `bins + 1` fixed edges of the QB margin histogram, uniform in asinh(margin / MARGIN_SCALE).
+
+    They span +-(1 + max b - min b), every margin s + b - alpha can take for scores in [0, 1], and are
+    derived from the bias alone, which every rank holds identically, so all ranks bin alike. The log-like
+    spacing keeps bins narrow at the cutoff (margin 0), where a balanced expert's quantile lies.
     """
     half = 1.0 + (bias_E.float().max() - bias_E.float().min())
-    return -half, half
+    u_max = torch.asinh(half / MARGIN_SCALE)
+    steps = torch.linspace(-1.0, 1.0, bins + 1, device=bias_E.device)
+    return MARGIN_SCALE * torch.sinh(steps * u_max)
+
+
+def _margin_bin(margin: Tensor, bias_E: Tensor, bins: int) -> Tensor:
+    """Bin index of each margin under `margin_bin_edges` (clamped into the outer bins)."""
+    half = 1.0 + (bias_E.float().max() - bias_E.float().min())
+    u = torch.asinh(margin / MARGIN_SCALE) / torch.asinh(half / MARGIN_SCALE)
+    return ((u + 1.0) * (bins / 2)).floor().clamp(0, bins - 1).long()
 
 
 def qb_histogram(scores_TE: Tensor, bias_E: Tensor, k: int, bins: int) -> Tensor:
@@ -66,9 +80,7 @@ def qb_histogram(scores_TE: Tensor, bias_E: Tensor, k: int, bins: int) -> Tensor
     e = scores_TE.shape[-1]
     if k >= e:
         return torch.zeros(e, bins, dtype=torch.int64, device=scores_TE.device)
-    lo, hi = margin_range(bias_E)
-    margin_TE = cutoff_margin(scores_TE, bias_E, k)
-    bin_TE = ((margin_TE - lo) * (bins / (hi - lo))).floor().clamp(0, bins - 1).long()
+    bin_TE = _margin_bin(cutoff_margin(scores_TE, bias_E, k), bias_E, bins)
     flat = (bin_TE + torch.arange(e, device=bin_TE.device) * bins).reshape(-1)
     counts = torch.zeros(e * bins, dtype=torch.int64, device=scores_TE.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
@@ -78,22 +90,21 @@ def qb_histogram(scores_TE: Tensor, bias_E: Tensor, k: int, bins: int) -> Tensor
 def qb_update_from_histogram(counts_EB: Tensor, bias_E: Tensor, k: int) -> Tensor:
     """QB from a margin histogram: per expert, the margin with a fraction k/E of the counts above it.
 
-    Reads the bin where the count from the top reaches T*k/E and interpolates linearly inside it
-    (values assumed uniform within a bin); then b'_j = b_j - that margin, centred.
+    Reads the bin where the count from the top reaches T*k/E and interpolates linearly between its
+    edges (values taken as uniform within a bin); then b'_j = b_j - that margin, centred.
     """
     e, bins = counts_EB.shape
     if k >= e:
         return torch.zeros_like(bias_E, dtype=torch.float32)
-    lo, hi = margin_range(bias_E)
-    width = (hi - lo) / bins
+    edges = margin_bin_edges(bias_E, bins)
     counts = counts_EB.float()
     target_E = counts.sum(-1) * (k / e)
     above_EB = counts.flip(-1).cumsum(-1).flip(-1)  # above[:, t] = count in bins t .. bins-1
-    top_bin = ((above_EB >= target_E[:, None]).sum(-1) - 1).clamp(0, bins - 1)[:, None]
-    in_bin = counts.gather(-1, top_bin).squeeze(-1)
-    above_next = above_EB.gather(-1, top_bin).squeeze(-1) - in_bin
+    top_bin = ((above_EB >= target_E[:, None]).sum(-1) - 1).clamp(0, bins - 1)
+    in_bin = counts.gather(-1, top_bin[:, None]).squeeze(-1)
+    above_next = above_EB.gather(-1, top_bin[:, None]).squeeze(-1) - in_bin
     frac = (target_E - above_next) / in_bin.clamp_min(1.0)
-    q_E = lo + (top_bin.squeeze(-1) + 1 - frac) * width
+    q_E = torch.lerp(edges[top_bin + 1], edges[top_bin], frac)
     b_hat = bias_E.float() - q_E
     return b_hat - b_hat.mean()
 

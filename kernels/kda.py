@@ -117,37 +117,68 @@ def kda_recurrent_ref(
     return o.to(v_BTHV.dtype), S
 
 
+# Floor for fp32 decay exponents. exp(-40) ~ 4e-18 is zero next to the O(1) terms it is added to (fp32
+# resolves 1e-7), and flooring keeps exp and later products out of the slow underflow / subnormal paths.
+_EXP_FLOOR = -40.0
+
+
+def _decay(log_decay: Tensor) -> Tensor:
+    """exp of a log decay (<= 0); in fp32 the argument is floored at _EXP_FLOOR (float64 is left exact)."""
+    if log_decay.dtype == torch.float64:
+        return torch.exp(log_decay)
+    return torch.exp(log_decay.clamp_min(_EXP_FLOOR))
+
+
+# Per-token log decays below this are treated as this value inside the diagonal blocks only: a decay of
+# exp(-87) is already below fp32's smallest normal number, so nothing representable changes.
+_DIAG_G_FLOOR = -87.0
+
+
 def _sub_chunk(chunk_size: int) -> int:
-    """Diagonal block size for the exact pairwise decay products (see `_intra_chunk_scores`)."""
-    return 8 if chunk_size % 8 == 0 else chunk_size
+    """Diagonal block size of `_intra_chunk_scores`: 16, or the whole chunk when 16 does not divide it."""
+    return 16 if chunk_size % 16 == 0 else chunk_size
 
 
-def _intra_chunk_scores(q_NCK: Tensor, k_NCK: Tensor, G_NCK: Tensor, sub: int) -> tuple[Tensor, Tensor]:
+def _intra_chunk_scores(
+    q_NCK: Tensor, k_NCK: Tensor, g_NCK: Tensor, G_NCK: Tensor, sub: int
+) -> tuple[Tensor, Tensor]:
     """A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, and A_kk (k in place of q) for j < i.
 
-    exp(G_i - G_j) never overflows: blocks below the diagonal factor it through the first position r
-    of the row block as exp(G_i - G_r) * exp(G_r - G_j), both factors in (0, 1]; the diagonal blocks
-    of size `sub` take the exact pairwise products. Safe for any g <= 0 (also the unbounded softplus form).
-    Leading dims are batch dims; returns two masked [..., C, C] matrices.
+    exp(G_i - G_j) is never formed from exp(G_i) * exp(-G_j) over a whole chunk, which overflows fp32
+    for strong decays. Blocks below the diagonal factor it through the first position r of the row block,
+    exp(G_i - G_r) * exp(G_r - G_j), both factors in (0, 1]. Diagonal blocks (size `sub`) factor through
+    the block's middle in float64, where a span of sub/2 steps of at most 87 each cannot overflow.
+    Leading dims are batch dims; returns two masked [..., C, C] matrices in the compute dtype.
     """
     C = q_NCK.shape[-2]
     ns = C // sub
-    G_blk, q_blk, k_blk = (t.unflatten(-2, (ns, sub)) for t in (G_NCK, q_NCK, k_NCK))
-    # Diagonal blocks, exact: pair_k[a, i, j, d] = exp(G_id - G_jd) k_jd for i, j in block a.
-    pair_k = torch.exp((G_blk[..., :, None, :] - G_blk[..., None, :, :]).clamp_max(0)) * k_blk[..., None, :, :]
+    dtype = q_NCK.dtype
     tri = torch.ones(sub, sub, dtype=torch.bool, device=q_NCK.device).tril()
-    diag_qk = (pair_k @ q_blk[..., None])[..., 0] * tri
-    diag_kk = (pair_k @ k_blk[..., None])[..., 0] * tri.tril(-1)
+
+    D = g_NCK.clamp_min(_DIAG_G_FLOOR).double().unflatten(-2, (ns, sub)).cumsum(-2)
+    D = D - D[..., sub // 2 : sub // 2 + 1, :]
+    q_up, k_up = q_NCK.double().unflatten(-2, (ns, sub)), k_NCK.double().unflatten(-2, (ns, sub))
+    k_down = (k_up * torch.exp(-D)).transpose(-1, -2)
+    decay_up = torch.exp(D)
+    # where, not a multiply: entries above the diagonal may overflow to inf and must not make NaNs.
+    diag_qk = torch.where(tri, (q_up * decay_up) @ k_down, 0.0).to(dtype)
+    diag_kk = torch.where(tri.tril(-1), (k_up * decay_up) @ k_down, 0.0).to(dtype)
+
+    G_blk = G_NCK.unflatten(-2, (ns, sub))
+    row_decay = _decay(G_blk - G_blk[..., :1, :])  # exp(G_i - G_r) <= 1, r = first of the row block
     rows_qk, rows_kk = [], []
     for a in range(ns):
         lo, hi = a * sub, (a + 1) * sub
-        G_r = G_NCK[..., lo : lo + 1, :]
-        row_decay = torch.exp(G_NCK[..., lo:hi, :] - G_r)  # exp(G_i - G_r) <= 1
-        cols = k_NCK[..., :lo, :] * torch.exp(G_r - G_NCK[..., :lo, :])  # exp(G_r - G_j) <= 1 for j < r
         right = q_NCK.new_zeros(*q_NCK.shape[:-2], sub, C - hi)
-        for rows, x_blk, diag in ((rows_qk, q_blk, diag_qk), (rows_kk, k_blk, diag_kk)):
-            off = (x_blk[..., a, :, :] * row_decay) @ cols.transpose(-1, -2)
-            rows.append(torch.cat([off, diag[..., a, :, :], right], dim=-1))
+        if a == 0:
+            rows_qk.append(torch.cat([diag_qk[..., 0, :, :], right], dim=-1))
+            rows_kk.append(torch.cat([diag_kk[..., 0, :, :], right], dim=-1))
+            continue
+        cols = (k_NCK[..., :lo, :] * _decay(G_NCK[..., lo : lo + 1, :] - G_NCK[..., :lo, :])).transpose(-1, -2)
+        off_qk = (q_NCK[..., lo:hi, :] * row_decay[..., a, :, :]) @ cols
+        off_kk = (k_NCK[..., lo:hi, :] * row_decay[..., a, :, :]) @ cols
+        rows_qk.append(torch.cat([off_qk, diag_qk[..., a, :, :], right], dim=-1))
+        rows_kk.append(torch.cat([off_kk, diag_kk[..., a, :, :], right], dim=-1))
     return torch.cat(rows_qk, dim=-2), torch.cat(rows_kk, dim=-2)
 
 
@@ -182,21 +213,21 @@ def kda_chunk_ref(
 
     def chunks(x: Tensor) -> Tensor:  # [B, T, H, X] -> [B, H, N, C, X]
         x = F.pad(x.to(dtype), (0, 0, 0, 0, 0, pad))
-        return x.permute(0, 2, 1, 3).unflatten(2, (N, C))
+        return x.permute(0, 2, 1, 3).unflatten(2, (N, C)).contiguous()
 
     q, k, v, g = chunks(q_BTHK), chunks(k_BTHK), chunks(v_BTHV), chunks(g_BTHK)
     beta = chunks(beta_BTH[..., None])  # [B, H, N, C, 1]
     G = g.cumsum(-2)
     G_last = G[..., -1:, :]  # [B, H, N, 1, K]
 
-    A_qk, A_kk = _intra_chunk_scores(q, k, G, _sub_chunk(C))
-    gk = k * torch.exp(G)
-    rhs = beta * torch.cat([gk, v], dim=-1)
+    A_qk, A_kk = _intra_chunk_scores(q, k, g, G, _sub_chunk(C))
+    decay_in = _decay(G)  # Gamma: decay from the chunk start to each token
+    rhs = beta * torch.cat([k * decay_in, v], dim=-1)
     X = torch.linalg.solve_triangular(beta * A_kk, rhs, upper=False, unitriangular=True)
     W, U = X[..., :K], X[..., K:]
 
-    k_to_end = k * torch.exp(G_last - G)  # Gamma_{i->C} * K
-    transition = torch.diag_embed(torch.exp(G_last[..., 0, :])) - k_to_end.transpose(-1, -2) @ W  # [B,H,N,K,K]
+    k_to_end = k * _decay(G_last - G)  # Gamma_{i->C} * K
+    transition = torch.diag_embed(_decay(G_last[..., 0, :])) - k_to_end.transpose(-1, -2) @ W  # [B,H,N,K,K]
     inject = k_to_end.transpose(-1, -2) @ U  # [B, H, N, K, V]
 
     S = _initial_state(q_BTHK, v_BTHV, initial_state_BHKV, dtype)
@@ -207,7 +238,7 @@ def kda_chunk_ref(
         S = S.unflatten(0, (B, H))
     S_start = torch.stack(starts, dim=2) if starts else q.new_zeros(B, H, 0, K, V)
 
-    q_in = q * torch.exp(G) - A_qk @ W  # O = (Gamma*Q - A_qk W) S + A_qk U
+    q_in = q * decay_in - A_qk @ W  # O = (Gamma*Q - A_qk W) S + A_qk U
     o = scale * (q_in @ S_start + A_qk @ U)
     o = o.flatten(2, 3)[:, :, :T].permute(0, 2, 1, 3)
     return o.to(v_BTHV.dtype), S

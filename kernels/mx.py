@@ -19,7 +19,7 @@ Decisions where OCP leaves a choice (all tested in tests/kernels/test_mx.py):
 - The rounding is done here in float64, exact for every fp64/fp32/bf16/fp16 input (one rounding,
   never double rounding); the fp8 casts below only ever see values that are already representable.
 
-`mx_bytes` and `MX_FORMATS` are plain Python so static analysis can size MX tensors without torch math.
+Storage sizes for static analysis live in k3compile.analysis.formats (no torch import there).
 """
 
 from __future__ import annotations
@@ -58,20 +58,6 @@ def mx_format(fmt: str) -> MXFormat:
     if fmt not in MX_FORMATS:
         raise ValueError(f"unknown MX element format {fmt!r}; expected one of {sorted(MX_FORMATS)}")
     return MX_FORMATS[fmt]
-
-
-def mx_bytes(numel: int, fmt: str, block: int = 32) -> int:
-    """Exact storage in bytes of `numel` values in MX format: payload plus one E8M0 byte per block.
-
-    numel must be a whole number of blocks (and even for e2m1, two elements per byte),
-    the same rule `mx_quantize` enforces on the last dim.
-    """
-    f = mx_format(fmt)
-    if block <= 0 or numel < 0 or numel % block:
-        raise ValueError(f"MX storage needs a whole number of blocks: numel={numel}, block={block}")
-    if (numel * f.bits) % 8:
-        raise ValueError(f"{fmt} packs {8 // f.bits} elements per byte; numel={numel} does not fill whole bytes")
-    return numel * f.bits // 8 + numel // block
 
 
 def check_mx_shape(n, fmt: str, block: int) -> MXFormat:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 ELEMENT_BITS = {"fp32": 32, "bf16": 16, "mxfp8": 8, "mxfp4": 4}
 SCALE_BITS = 8  # one E8M0 byte per MX block
+ELEMENT_OF_POLICY = {"mxfp4": "e2m1", "mxfp8": "e4m3"}  # policy format -> MX element format
 
 
 def is_mx(fmt: str) -> bool:

@@ -23,6 +23,15 @@ def mx_quantize_op(x: Tensor, fmt: str, block: int) -> tuple[Tensor, Tensor]:
     return ref.mx_quantize_ref(x, fmt, block)
 
 
+def _quantize_setup(ctx, inputs, output):
+    # Quantisation is a step function: its fp8 payload must not look differentiable (QAT uses
+    # mx_fake_quantize), so nothing downstream of it asks for a gradient.
+    ctx.mark_non_differentiable(*output)
+
+
+mx_quantize_op.register_autograd(lambda ctx, *grads: (None, None, None), setup_context=_quantize_setup)
+
+
 def _dequantize_fake(data, scale, fmt, block, dtype):
     return data.new_empty(ref.mx_dequant_meta(data.shape, scale.shape, fmt, block), dtype=dtype)
 

@@ -21,6 +21,19 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
+def _unaliased(tensors, inputs) -> list[Tensor]:
+    """Custom ops may not return one tensor twice or alias an input: clone where they would."""
+    taken = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor)}
+    out = []
+    for t in tensors:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr in taken:
+            t = t.clone()
+        taken.add(t.untyped_storage().data_ptr())
+        out.append(t)
+    return out
+
+
 def k3_op(name: str, *, fake: Callable, differentiable: Sequence[str] = ()) -> Callable:
     """Decorator registering a typed PyTorch reference as `torch.ops.k3.<name>`.
 
@@ -66,7 +79,7 @@ def _register_backward(name: str, ref: Callable, op, differentiable: list[str]) 
         cotangents = tuple(
             (g if g.shape == o.shape else torch.zeros_like(o)).to(o.dtype) for g, o in zip(float_grads, outs)
         )
-        got = dict(zip(present, vjp(cotangents)))
+        got = dict(zip(present, _unaliased(vjp(cotangents), list(args) + list(grads))))
         return [got[i] if i in got else torch.empty(0) for i in diff_idx]
 
     def bwd_fake(grads: list[Tensor], *args) -> list[Tensor]:

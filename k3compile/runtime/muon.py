@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
 
-__all__ = ["NS_COEFFICIENTS", "PerHeadMuon", "default_use_muon", "newton_schulz", "qk_clip_"]
+__all__ = ["ADAMW_NAME_PATTERNS", "NS_COEFFICIENTS", "PerHeadMuon", "default_use_muon", "newton_schulz", "qk_clip_"]
 
 # Quintic coefficients (a, b, c) of torch.optim.Muon / Keller Jordan's Muon.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -85,7 +85,7 @@ def qk_clip_(
     """QK-clip in place: heads whose max q.k logit exceeds tau get their W_q and W_k rows scaled by sqrt(tau/max).
 
     The clipped heads' max logit becomes tau; other heads are multiplied by exactly 1. `w_q` is [H*head_dim_q, D]
-    (or any tensor viewable as [H, head_dim_q, -1], e.g. `w.view(H, d, D)[:, :d_nope]` for a fused layout), `w_k`
+    (or an [H, head_dim_q, D] view, e.g. `w.view(H, d, D)[:, :d_nope]` for a fused layout), `w_k`
     likewise. No host sync. Returns the fp32 per-head factors [H].
     """
     H = max_logits_H.numel()
@@ -234,7 +234,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         self._qk_pairs[key] = (w_q, w_k, head_dim_q, head_dim_k)
 
     def qk_clip_(self, max_logits: Mapping[str, Tensor]) -> dict[str, Tensor]:
-        """Apply QK-clip with tau = qk_clip_tau to each registered layer in `max_logits` (key -> [H]); returns factors."""
+        """QK-clip (tau = qk_clip_tau) of each registered layer in `max_logits` (key -> [H]); returns the factors."""
         if self.qk_clip_tau is None:
             raise ValueError("QK-clip needs qk_clip_tau")
         out = {}

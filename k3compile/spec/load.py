@@ -6,6 +6,7 @@ Every failure becomes a `SpecError` whose lines read `file:line:col: field.path:
 from __future__ import annotations
 
 import difflib
+import re
 import types
 import typing
 from dataclasses import dataclass
@@ -44,10 +45,17 @@ class SpecError(Exception):
         self.lines = lines
 
 
+_PLAIN_KEY = re.compile(r"[^\s:'\"]+")
+
+
 def _fmt_path(path: Path_) -> str:
     out = ""
     for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
+        if isinstance(p, int):
+            out += f"[{p}]"
+        else:
+            name = p if _PLAIN_KEY.fullmatch(p) else repr(p)  # keep `file:line:col: path: what` one parseable line
+            out += f".{name}" if out else name
     return out or "<spec>"
 
 
@@ -73,15 +81,20 @@ def _mark(file: str, node: yaml.Node) -> Loc:
     return Loc(file, node.start_mark.line + 1, node.start_mark.column + 1)
 
 
+_PLAIN_TAGS = ("tag:yaml.org,2002:map", "tag:yaml.org,2002:seq")  # a tagged collection (!!set, !!python/...) is refused
+
+
 def _to_python(node: yaml.Node, file: str, path: Path_, locs: dict, budget: _Budget, ctor) -> Any:
     """Build plain data from a composed node, recording where each path came from."""
     budget.tick(file, node)
+    if isinstance(node, yaml.CollectionNode) and node.tag not in _PLAIN_TAGS:
+        raise _err(_mark(file, node), path, f"unsupported YAML tag {node.tag}")
     if isinstance(node, yaml.MappingNode):
         out: dict[str, Any] = {}
         for key_node, value_node in node.value:
             if not isinstance(key_node, yaml.ScalarNode):
                 raise _err(_mark(file, key_node), path, "mapping keys must be plain names")
-            key = ctor.construct_object(key_node)
+            key = _construct(ctor, key_node, file, path)
             if not isinstance(key, str):
                 raise _err(_mark(file, key_node), path, f"key {key!r} is not a name")
             if key in out:
@@ -95,10 +108,24 @@ def _to_python(node: yaml.Node, file: str, path: Path_, locs: dict, budget: _Bud
             locs[path + (i,)] = _mark(file, item)
             items.append(_to_python(item, file, path + (i,), locs, budget, ctor))
         return items
-    value = ctor.construct_object(node, deep=True)
+    value = _construct(ctor, node, file, path)
     if isinstance(value, (bytes, bytearray)) or type(value).__module__ == "datetime":
         raise _err(_mark(file, node), path, f"unsupported YAML value {node.tag}")
     return value
+
+
+def _construct(ctor, node: yaml.ScalarNode, file: str, path: Path_) -> Any:
+    """A scalar's value; PyYAML's constructors raise plain Python errors on bad tagged text (`!!int abc`)."""
+    try:
+        return ctor.construct_object(node, deep=True)
+    except yaml.YAMLError:
+        raise
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError):
+        raise _err(_mark(file, node), path, f"cannot read {node.value[:40]!r} as {node.tag}") from None
+
+
+def _one_line(text: str) -> str:
+    return " ".join(text.split())
 
 
 def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
@@ -118,10 +145,10 @@ def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
     except yaml.MarkedYAMLError as e:
         m = e.problem_mark or e.context_mark
         where = f"{file}:{m.line + 1}:{m.column + 1}" if m else f"{file}:1:1"
-        what = " ".join(str(p) for p in (e.context, e.problem) if p)
+        what = _one_line(" ".join(str(p) for p in (e.context, e.problem) if p))
         raise SpecError([f"{where}: <yaml>: invalid YAML: {what}"]) from None
     except yaml.YAMLError as e:
-        raise SpecError([f"{file}:1:1: <yaml>: invalid YAML: {e}"]) from None
+        raise SpecError([f"{file}:1:1: <yaml>: invalid YAML: {_one_line(str(e))}"]) from None
     except RecursionError:
         raise SpecError([f"{file}:1:1: <yaml>: nesting too deep"]) from None
     return data, locs
@@ -181,6 +208,19 @@ def _display(path: Path) -> str:
         return str(path)
 
 
+def _parse_value(raw: str, loc: Loc, parts: Path_) -> Any:
+    """An override value, read like a file's values: same safe subset, node budget (no alias bombs), one-line errors."""
+    try:
+        loader = yaml.SafeLoader(raw)
+        try:
+            node = loader.get_single_node()
+            return None if node is None else _to_python(node, loc.file, parts, {}, _Budget(), loader)
+        finally:
+            loader.dispose()
+    except (yaml.YAMLError, RecursionError):
+        raise _err(loc, parts, f"cannot parse override value {raw[:40]!r}") from None
+
+
 def _apply_override(data: dict, locs: dict, text: str, index: int) -> None:
     label = f"--set[{index}]"
     key, sep, raw = text.partition("=")
@@ -190,20 +230,18 @@ def _apply_override(data: dict, locs: dict, text: str, index: int) -> None:
     parts: Path_ = tuple(key.split("."))
     if any(not p.isidentifier() for p in parts):
         raise _err(f"{label}:1:1", parts, f"override key {key!r} is not a dotted field path")
-    try:
-        value = yaml.safe_load(raw) if raw.strip() else None
-    except yaml.YAMLError:
-        raise _err(f"{label}:1:{len(key) + 2}", parts, f"cannot parse override value {raw!r}") from None
+    loc = Loc(label, 1, len(key) + 2)
+    value = _parse_value(raw, loc, parts)
     node = data
     for i, p in enumerate(parts[:-1]):
         child = node.get(p)
         if child is None:
             child = node[p] = {}
+            locs.setdefault(parts[: i + 1], loc)  # a section the override creates is located at the override
         elif not isinstance(child, dict):
             raise _err(f"{label}:1:1", parts[: i + 1], "is a value, not a section")
         node = child
     node[parts[-1]] = value
-    loc = Loc(label, 1, len(key) + 2)
     for p in [q for q in locs if q[: len(parts)] == parts]:
         del locs[p]
     locs[parts] = loc
@@ -251,7 +289,7 @@ def _describe(err: dict) -> tuple[Path_, str]:
         if model is not None:
             close = difflib.get_close_matches(str(key), list(model.model_fields), n=1, cutoff=0.6)
             hint = f"; did you mean '{close[0]}'?" if close else f"; known fields: {', '.join(model.model_fields)}"
-        return path, f"unknown field '{key}'{hint}"
+        return path, f"unknown field {str(key)!r}{hint}"
     if kind == "missing":
         return path, "required field is missing"
     ctx_err = err.get("ctx", {}).get("error")

@@ -43,6 +43,16 @@ class FieldError(ValueError):
 class _Frozen(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=False, validate_default=True)
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_as_number(cls, v, info):
+        """YAML reads yes/no/on/off/true as booleans, which lax pydantic would take as 1/0 for numbers."""
+        if cls.model_fields[info.field_name].annotation is not bool:
+            for x in v if isinstance(v, (list, tuple)) else (v,):
+                if isinstance(x, bool):
+                    raise ValueError(f"a boolean ({str(x).lower()}) is not a valid value here")
+        return v
+
 
 class Layout(_Frozen):
     """Which token mixer each layer uses: K (KDA, linear) or M (Gated MLA, full)."""

@@ -4,7 +4,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from k3compile.modules.mlp import MLP
 
@@ -60,4 +59,4 @@ def test_meta_bf16_trace_and_compile():
     assert torch.ops.k3.situ_glu.default in {n.target for n in gm.graph.nodes}
     x = torch.randn(2, 3, 8)
     torch.testing.assert_close(torch.compile(m, fullgraph=True, backend="aot_eager")(x), m(x))
-    torch.testing.assert_close(gm(x), F.linear(m(x), torch.eye(8)))
+    torch.testing.assert_close(gm(x), m(x))

@@ -1,0 +1,1 @@
+"""Back ends: the importable package a build writes, its manifest, ONNX export."""

@@ -1,0 +1,174 @@
+"""The pass manager: an ordered list of declared passes, the graph verified after each.
+
+Modelled on MLIR's: every pass declares a name, a one-line summary, whether it
+preserves numerics and the statistics it reports; the IR can be dumped after any
+pass; a failure names the pass and leaves a reproducer (the spec and the pass
+list up to the failure).
+"""
+
+from __future__ import annotations
+
+import copy
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import fx
+
+from k3compile.ir.verify import GraphVerificationError, format_graph, verify_graph
+from k3compile.spec.schema import Spec
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may read besides the graph: the spec and the build's choices."""
+
+    spec: Spec
+    mode: str = "train"  # "train" or "infer"
+    target: str = "cpu"
+
+
+@dataclass(frozen=True)
+class GraphPass:
+    """A declared pass: `run(gm, ctx)` rewrites gm in place and returns its statistics."""
+
+    name: str
+    summary: str
+    preserves_numerics: bool
+    statistics: tuple[str, ...]
+    run: Callable[[fx.GraphModule, PassContext], dict[str, int]]
+
+
+@dataclass
+class PassRecord:
+    name: str
+    summary: str
+    preserves_numerics: bool
+    status: str  # "ran" | "disabled"
+    statistics: dict[str, int] = field(default_factory=dict)
+    max_rel_diff: float | None = None  # with --verify-numerics on a numerics-preserving pass
+
+    def as_dict(self) -> dict:
+        d = {
+            "name": self.name,
+            "summary": self.summary,
+            "preserves_numerics": self.preserves_numerics,
+            "status": self.status,
+            "statistics": self.statistics,
+        }
+        if self.max_rel_diff is not None:
+            d["max_rel_diff"] = self.max_rel_diff
+        return d
+
+
+class PassFailure(Exception):
+    """A pass raised or left an invalid graph; names the pass and where the reproducer is."""
+
+    def __init__(self, pass_name: str, cause: str, reproducer: Path | None):
+        where = f" (reproducer: {reproducer})" if reproducer else ""
+        super().__init__(f"pass '{pass_name}' failed: {cause}{where}")
+        self.pass_name = pass_name
+        self.reproducer = reproducer
+
+
+class NumericsMismatch(Exception):
+    """A pass declared numerics-preserving changed the outputs of a real instance."""
+
+
+def _rel_diff(a, b) -> float:
+    a_t = a if isinstance(a, torch.Tensor) else a[0]
+    b_t = b if isinstance(b, torch.Tensor) else b[0]
+    a_t, b_t = a_t.double(), b_t.double()
+    return float((a_t - b_t).norm() / b_t.norm().clamp_min(1e-30))
+
+
+@dataclass
+class PassManager:
+    """Runs passes in order over a graph, verifying after each.
+
+    `dump` maps a pass name (or 'all') to dumping the graph after it into `dump_dir`;
+    `numerics` is (graph builder, inputs) for a small real instance that is checked
+    before and after every numerics-preserving pass (`--verify-numerics`).
+    """
+
+    passes: list[GraphPass]
+    disabled: frozenset[str] = frozenset()
+    dump_after: frozenset[str] = frozenset()
+    dump_dir: Path | None = None
+    numerics: tuple[fx.GraphModule, tuple] | None = None
+    rtol: float = 1e-5
+    reproducer_root: Path | None = None
+    records: list[PassRecord] = field(default_factory=list)
+
+    def __post_init__(self):
+        known = {p.name for p in self.passes}
+        for name in self.disabled | (self.dump_after - {"all"}):
+            if name not in known:
+                raise ValueError(f"unknown pass '{name}'; passes are: {', '.join(p.name for p in self.passes)}")
+
+    def run(self, gm: fx.GraphModule, ctx: PassContext, example_inputs: tuple) -> fx.GraphModule:
+        verify_graph(gm, example_inputs)
+        self._dump(gm, 0, "lowered")
+        for i, p in enumerate(self.passes, 1):
+            if p.name in self.disabled:
+                self.records.append(PassRecord(p.name, p.summary, p.preserves_numerics, "disabled"))
+                continue
+            try:
+                stats = p.run(gm, ctx) or {}
+                gm.graph.eliminate_dead_code()
+                gm.recompile()
+                verify_graph(gm, example_inputs)
+            except NumericsMismatch:
+                raise
+            except Exception as e:
+                cause = f"{type(e).__name__}: {e}" if not isinstance(e, GraphVerificationError) else str(e)
+                raise PassFailure(p.name, cause.splitlines()[0], self._reproducer(ctx, i)) from e
+            record = PassRecord(p.name, p.summary, p.preserves_numerics, "ran", dict(stats))
+            if self.numerics is not None:
+                record.max_rel_diff = self._check_numerics(p, ctx)
+            self.records.append(record)
+            self._dump(gm, i, p.name)
+        return gm
+
+    def _check_numerics(self, p: GraphPass, ctx: PassContext) -> float | None:
+        small, inputs = self.numerics
+        before = small(*inputs)
+        snapshot = copy.deepcopy(small)
+        p.run(small, ctx)
+        small.graph.eliminate_dead_code()
+        small.recompile()
+        if not p.preserves_numerics:
+            return None
+        after = small(*inputs)
+        diff = _rel_diff(after, before)
+        if not diff <= self.rtol:
+            self.numerics = (snapshot, inputs)
+            raise NumericsMismatch(
+                f"pass '{p.name}' is declared numerics-preserving but changed the outputs "
+                f"(relative difference {diff:.3g} > {self.rtol:g})"
+            )
+        return diff
+
+    def _dump(self, gm: fx.GraphModule, index: int, name: str) -> None:
+        if self.dump_dir is None or not ({"all", name} & self.dump_after or (index == 0 and self.dump_after)):
+            return
+        self.dump_dir.mkdir(parents=True, exist_ok=True)
+        (self.dump_dir / f"{index:02d}-{name}.txt").write_text(format_graph(gm))
+
+    def _reproducer(self, ctx: PassContext, failed_index: int) -> Path | None:
+        root = self.reproducer_root or Path(tempfile.gettempdir())
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            where = Path(tempfile.mkdtemp(prefix=f"k3compile-repro-{ctx.spec.name}-", dir=root))
+            (where / "spec.json").write_text(ctx.spec.model_dump_json(indent=2) + "\n")
+            passes = [p.name for p in self.passes[:failed_index] if p.name not in self.disabled]
+            (where / "passes.txt").write_text("\n".join(passes) + "\n")
+            (where / "README.txt").write_text(
+                f"Pass '{passes[-1]}' failed in mode {ctx.mode}, target {ctx.target}.\n"
+                "Rerun: k3compile build spec.json with the passes in passes.txt (the last one fails).\n"
+            )
+            return where
+        except OSError:
+            return None

@@ -1,0 +1,93 @@
+"""Graph verification after every pass: structure (lint, no dangling nodes) and shapes via fake tensors."""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+
+class GraphVerificationError(Exception):
+    """The graph is malformed: a dangling node, a bad reference, or a shape/type error."""
+
+
+def _dangling(gm: fx.GraphModule) -> list[str]:
+    return [
+        n.name
+        for n in gm.graph.nodes
+        if not n.users and n.op not in ("output", "placeholder") and not _has_side_effects(n)
+    ]
+
+
+def _has_attr(root: torch.nn.Module, target: str) -> bool:
+    obj = root
+    for part in target.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
+
+
+def _has_side_effects(node: fx.Node) -> bool:
+    return node.op == "call_function" and node.target in fx.node._side_effectful_functions
+
+
+def verify_graph(gm: fx.GraphModule, example_inputs: tuple) -> None:
+    """Lint the graph, reject dangling nodes, and propagate fake tensors to check every shape and dtype.
+
+    `example_inputs` may be real or meta tensors; only their metadata is used. Each node's
+    `meta['val']` holds its fake output afterwards (dumps print the shapes from it).
+    """
+    try:
+        gm.graph.lint()
+    except Exception as e:  # fx raises bare RuntimeError/AssertionError on malformed graphs
+        raise GraphVerificationError(f"graph lint failed: {e}") from e
+    dangling = _dangling(gm)
+    if dangling:
+        raise GraphVerificationError(f"dangling nodes (computed, never used): {', '.join(dangling[:5])}")
+    for n in gm.graph.nodes:
+        if n.op == "get_attr" and not _has_attr(gm, n.target):
+            raise GraphVerificationError(f"node {n.name} reads missing attribute {n.target}")
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake_inputs = [mode.from_tensor(x) if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    try:
+        FakeTensorProp(gm, mode).propagate(*fake_inputs)
+    except Exception as e:
+        raise GraphVerificationError(f"shape propagation failed: {type(e).__name__}: {e}".splitlines()[0]) from e
+    for n in gm.graph.nodes:
+        if n.op in ("call_function", "call_method", "call_module") and "val" not in n.meta:
+            raise GraphVerificationError(f"node {n.name} has no inferred value")
+
+
+def format_graph(gm: fx.GraphModule) -> str:
+    """Readable text of the graph, one node a line, with the inferred shape and dtype of each value."""
+    lines = []
+    for n in gm.graph.nodes:
+        val = n.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            typ = f"{str(val.dtype).removeprefix('torch.')}{list(val.shape)}"
+        elif isinstance(val, (tuple, list)):
+            typ = "(" + ", ".join(
+                f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}" if isinstance(v, torch.Tensor) else repr(v)
+                for v in val
+            ) + ")"
+        else:
+            typ = ""
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        if hasattr(n.target, "_schema"):
+            target = str(n.target._schema.name) + (f".{n.target._overloadname}" if getattr(n.target, "_overloadname", "default") != "default" else "")
+        args = ", ".join(_fmt_arg(a) for a in n.args)
+        kernel = n.meta.get("kernel")
+        suffix = f"    # kernel: {kernel['impl']}" if kernel else ""
+        lines.append(f"%{n.name}: {typ} = {n.op}[{target}]({args}){suffix}")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt_arg(a) -> str:
+    if isinstance(a, fx.Node):
+        return f"%{a.name}"
+    if isinstance(a, (list, tuple)):
+        inner = ", ".join(_fmt_arg(x) for x in a)
+        return f"[{inner}]" if isinstance(a, list) else f"({inner})"
+    return repr(a)

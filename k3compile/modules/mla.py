@@ -1,0 +1,106 @@
+"""Gated MLA: multi-head latent attention with a compressed KV cache and a sigmoid output gate."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from k3compile.modules.norms import RMSNorm
+from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope
+
+
+class MLAMixer(nn.Module):
+    """Gated MLA token mixer (reference section 3).
+
+    q = q_b_proj(q_a_norm(q_a_proj x)) or q_proj x; [c_kv, k_pe] = kv_a_proj x; c_kv is normed by
+    kv_a_norm; k_nope and v come from kv_b_proj c_kv. k_pe is one vector shared by all heads,
+    rotated (with q's rope part) only when `rope`. y = o_proj(attn * sigmoid(g_proj x)).
+
+    Cache: a tensor [B, S, kv_lora_rank + qk_rope_head_dim] holding, per token, the NORMED c_kv
+    and the (rotated, if rope) k_pe - nothing per head. forward(x, cache, start_pos) writes the new
+    tokens at [start_pos, start_pos + T): into the cache if it is long enough (preallocated),
+    else by cutting it at start_pos and appending. It returns the updated cache.
+    With start_pos == 0 the whole sequence attends in the expanded form (keys/values per head);
+    with start_pos > 0 (decoding, chunked prefill) the absorbed form attends over the latent.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        q_lora_rank: int | None,
+        kv_lora_rank: int,
+        qk_nope_head_dim: int,
+        qk_rope_head_dim: int,
+        v_head_dim: int,
+        rope: bool = False,
+        rope_theta: float = 10000.0,
+        output_gate: bool = True,
+        norm_eps: float = 1e-5,
+    ):
+        super().__init__()
+        if rope and qk_rope_head_dim % 2:
+            raise ValueError(f"rope needs an even qk_rope_head_dim, got {qk_rope_head_dim}")
+        H, D = num_heads, hidden_size
+        self.num_heads, self.q_lora_rank, self.kv_lora_rank = H, q_lora_rank, kv_lora_rank
+        self.nope_dim, self.rope_dim, self.v_dim = qk_nope_head_dim, qk_rope_head_dim, v_head_dim
+        self.rope, self.rope_theta, self.output_gate = rope, rope_theta, output_gate
+        self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
+        dq = qk_nope_head_dim + qk_rope_head_dim
+        if q_lora_rank:
+            self.q_a_proj = nn.Linear(D, q_lora_rank, bias=False)
+            self.q_a_norm = RMSNorm(q_lora_rank, norm_eps)
+            self.q_b_proj = nn.Linear(q_lora_rank, H * dq, bias=False)
+        else:
+            self.q_proj = nn.Linear(D, H * dq, bias=False)
+        self.kv_a_proj = nn.Linear(D, kv_lora_rank + qk_rope_head_dim, bias=False)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, norm_eps)
+        self.kv_b_proj = nn.Linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim), bias=False)
+        if output_gate:
+            self.g_proj = nn.Linear(D, H * v_head_dim, bias=False)
+        self.o_proj = nn.Linear(H * v_head_dim, D, bias=False)
+
+    @property
+    def cache_values_per_token(self) -> int:
+        """Values cached per token for this layer: kv_lora_rank + qk_rope_head_dim (K3: 512 + 64 = 576)."""
+        return self.kv_lora_rank + self.rope_dim
+
+    def forward(self, x_BTD: Tensor, cache: Tensor | None = None, start_pos: int = 0) -> tuple[Tensor, Tensor]:
+        B, T, _ = x_BTD.shape
+        H, N, L = self.num_heads, self.nope_dim, self.kv_lora_rank
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD)))
+        else:
+            q = self.q_proj(x_BTD)
+        q_BTHK = q.reshape(B, T, H, N + self.rope_dim)
+        c_kv, k_pe = self.kv_a_proj(x_BTD).split([L, self.rope_dim], dim=-1)
+        if self.rope:
+            q_BTHK = torch.cat([q_BTHK[..., :N], mla_rope(q_BTHK[..., N:], start_pos, self.rope_theta)], dim=-1)
+            k_pe = mla_rope(k_pe, start_pos, self.rope_theta)
+        latent_BTC = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)
+        cache, ctx_BSC = _write_cache(cache, latent_BTC, start_pos)
+        if start_pos == 0:
+            kv = self.kv_b_proj(ctx_BSC[..., :L]).reshape(B, -1, H, N + self.v_dim)
+            o_BTHV = mla_attention(q_BTHK, kv[..., :N], ctx_BSC[..., L:], kv[..., N:], self.scale)
+        else:
+            o_BTHV = mla_decode_absorbed(q_BTHK, ctx_BSC, self.kv_b_proj.weight, self.scale)
+        o = o_BTHV.reshape(B, T, H * self.v_dim)
+        if self.output_gate:
+            o = o * torch.sigmoid(self.g_proj(x_BTD))
+        return self.o_proj(o), cache
+
+
+def _write_cache(cache: Tensor | None, latent_BTC: Tensor, start_pos: int) -> tuple[Tensor, Tensor]:
+    """Put the new latents at [start_pos, start_pos + T); return (new cache, the valid prefix to attend over)."""
+    if cache is None:
+        if start_pos != 0:
+            raise ValueError(f"start_pos {start_pos} needs a cache holding the earlier tokens")
+        return latent_BTC, latent_BTC
+    if start_pos > cache.shape[1]:
+        raise ValueError(f"start_pos {start_pos} is past the cache length {cache.shape[1]}")
+    end = start_pos + latent_BTC.shape[1]
+    if cache.shape[1] >= end:
+        cache = cache.slice_scatter(latent_BTC.to(cache.dtype), dim=1, start=start_pos, end=end)
+    else:
+        cache = torch.cat([cache[:, :start_pos], latent_BTC.to(cache.dtype)], dim=1)
+    return cache, cache[:, :end]

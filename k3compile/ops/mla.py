@@ -1,0 +1,51 @@
+"""k3 MLA ops: mla_attention (expanded, prefill/training), mla_decode_absorbed (latent cache) and mla_rope."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels import mla as ref
+from k3compile.ops.registry import k3_op
+
+
+def _attention_fake(q_BTHK, k_nope_BSHN, k_pe_BSR, v_BSHV, scale):
+    B, T, H, _ = q_BTHK.shape
+    return q_BTHK.new_empty(B, T, H, v_BSHV.shape[-1])
+
+
+@k3_op("mla_attention", fake=_attention_fake, differentiable=("q_BTHK", "k_nope_BSHN", "k_pe_BSR", "v_BSHV"))
+def mla_attention_op(q_BTHK: Tensor, k_nope_BSHN: Tensor, k_pe_BSR: Tensor, v_BSHV: Tensor, scale: float) -> Tensor:
+    return ref.mla_attention_ref(q_BTHK, k_nope_BSHN, k_pe_BSR, v_BSHV, scale)
+
+
+def _absorbed_fake(q_BTHK, latent_BSC, w_kvb, scale):
+    B, T, H, K = q_BTHK.shape
+    L = w_kvb.shape[1]
+    N = K - (latent_BSC.shape[-1] - L)
+    return q_BTHK.new_empty(B, T, H, w_kvb.shape[0] // H - N)
+
+
+@k3_op("mla_decode_absorbed", fake=_absorbed_fake, differentiable=("q_BTHK", "latent_BSC", "w_kvb"))
+def mla_decode_absorbed_op(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float) -> Tensor:
+    return ref.mla_decode_absorbed_ref(q_BTHK, latent_BSC, w_kvb, scale)
+
+
+@k3_op("mla_rope", fake=lambda x, start_pos, theta: torch.empty_like(x), differentiable=("x",))
+def mla_rope_op(x: Tensor, start_pos: int, theta: float) -> Tensor:
+    return ref.rope_ref(x, start_pos, theta)
+
+
+def mla_attention(q_BTHK: Tensor, k_nope_BSHN: Tensor, k_pe_BSR: Tensor, v_BSHV: Tensor, scale: float) -> Tensor:
+    """Causal MLA attention with expanded per-head keys/values; k_pe is shared by all heads."""
+    return torch.ops.k3.mla_attention.default(q_BTHK, k_nope_BSHN, k_pe_BSR, v_BSHV, scale)
+
+
+def mla_decode_absorbed(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float) -> Tensor:
+    """Causal MLA attention over the latent cache [c_kv, k_pe], kv_b_proj absorbed into q and o."""
+    return torch.ops.k3.mla_decode_absorbed.default(q_BTHK, latent_BSC, w_kvb, scale)
+
+
+def mla_rope(x: Tensor, start_pos: int, theta: float) -> Tensor:
+    """Half-split rotary embedding of x [B, T, ..., R] at positions start_pos .. start_pos + T - 1."""
+    return torch.ops.k3.mla_rope.default(x, start_pos, theta)

@@ -1,0 +1,76 @@
+"""PyTorch references for Gated MLA's attention cores and its optional RoPE.
+
+Legend: B batch, T new (query) tokens, S key tokens (cached + new, S >= T), H heads,
+K = N + R query/key head dim (N no-position part, R rope part shared by all heads),
+V value head dim, L kv_lora_rank (width of the cached latent c_kv), C = L + R cached values per token.
+Queries are the last T of the S positions: query i sits at position S - T + i and sees keys 0..S-T+i.
+Scores, softmax and the weighted sums run in at least fp32; outputs come back contiguous in q's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels.norms import upcast
+
+
+def rope_ref(x: Tensor, start_pos: int, theta: float) -> Tensor:
+    """Rotary embedding on the last dim of x [B, T, ..., R] at positions start_pos + t.
+
+    Half-split (NeoX) pairing: channel i rotates with channel i + R/2 by angle pos * theta^(-2i/R).
+    """
+    T, R = x.shape[1], x.shape[-1]
+    xf = upcast(x)
+    inv_freq = theta ** (-torch.arange(0, R // 2, device=x.device, dtype=xf.dtype) * 2 / R)
+    pos = torch.arange(start_pos, start_pos + T, device=x.device, dtype=xf.dtype)
+    angle = (pos[:, None] * inv_freq[None, :]).view((1, T) + (1,) * (x.dim() - 3) + (R // 2,))
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    x1, x2 = xf[..., : R // 2], xf[..., R // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def _causal_softmax(scores_BHTS: Tensor) -> Tensor:
+    """Softmax over keys with the causal mask for queries at the last T of S positions."""
+    T, S = scores_BHTS.shape[-2:]
+    q_pos = torch.arange(S - T, S, device=scores_BHTS.device)
+    k_pos = torch.arange(S, device=scores_BHTS.device)
+    visible = k_pos[None, :] <= q_pos[:, None]
+    return torch.softmax(scores_BHTS.masked_fill(~visible, float("-inf")), dim=-1)
+
+
+def mla_attention_ref(q_BTHK: Tensor, k_nope_BSHN: Tensor, k_pe_BSR: Tensor, v_BSHV: Tensor, scale: float) -> Tensor:
+    """Expanded (naive) MLA: per-head keys [k_nope_h, k_pe], causal softmax attention -> o [B, T, H, V].
+
+    Used for training and prefill, where expanding the latent once per token is cheapest.
+    """
+    N = k_nope_BSHN.shape[-1]
+    q = upcast(q_BTHK)
+    scores = torch.einsum("bthn,bshn->bhts", q[..., :N], upcast(k_nope_BSHN))
+    scores = scores + torch.einsum("bthr,bsr->bhts", q[..., N:], upcast(k_pe_BSR))
+    p = _causal_softmax(scores * scale)
+    return torch.einsum("bhts,bshv->bthv", p, upcast(v_BSHV)).to(q_BTHK.dtype).contiguous()
+
+
+def mla_decode_absorbed_ref(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float) -> Tensor:
+    """Absorbed MLA over the latent cache: attends over [c_kv, k_pe] without expanding keys or values.
+
+    latent_BSC holds the normed c_kv (first L values) and k_pe (last R) of every cached token.
+    w_kvb is kv_b_proj.weight [H*(N+V), L]: its key rows fold into the query
+    (q_lat = W_uk^T q_nope, so q_nope . k_nope = q_lat . c_kv) and its value rows are applied
+    after attention (o = W_uv (P c_kv)). Same result as the expanded form, O(S * C) per query.
+    """
+    H, K = q_BTHK.shape[2], q_BTHK.shape[3]
+    L = w_kvb.shape[1]
+    R = latent_BSC.shape[-1] - L
+    N = K - R
+    w = upcast(w_kvb).view(H, -1, L)
+    w_uk, w_uv = w[:, :N], w[:, N:]
+    q = upcast(q_BTHK)
+    lat = upcast(latent_BSC)
+    c_kv, k_pe = lat[..., :L], lat[..., L:]
+    q_lat = torch.einsum("bthn,hnl->bthl", q[..., :N], w_uk)
+    scores = torch.einsum("bthl,bsl->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q[..., N:], k_pe)
+    p = _causal_softmax(scores * scale)
+    o_lat = torch.einsum("bhts,bsl->bthl", p, c_kv)
+    return torch.einsum("bthl,hvl->bthv", o_lat, w_uv).to(q_BTHK.dtype).contiguous()

@@ -1,0 +1,78 @@
+"""Shared fixtures: where the shipped specs live, writing spec files, running the CLI in-process or as a command."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SPECS = ROOT / "specs"
+K3 = SPECS / "kimi-k3.yaml"
+KIMI_LINEAR = SPECS / "kimi-linear-48b-a3b.yaml"
+K3_TINY = SPECS / "k3-tiny.yaml"
+ALL_SPECS = sorted(SPECS.rglob("*.yaml"))
+ABLATIONS = sorted((SPECS / "ablations").glob("*.yaml"))
+
+
+def pytest_generate_tests(metafunc):
+    """`shipped_spec` runs a test once per spec under specs/, `ablation` once per specs/ablations/ file."""
+    for name, paths in (("shipped_spec", ALL_SPECS), ("ablation", ABLATIONS)):
+        if name in metafunc.fixturenames:
+            metafunc.parametrize(name, paths, ids=[str(p.relative_to(SPECS)) for p in paths])
+
+
+@pytest.fixture
+def specs_dir() -> Path:
+    return SPECS
+
+
+@pytest.fixture
+def write_spec(tmp_path):
+    """write_spec(text, name="spec.yaml") -> Path: a spec file under tmp_path (str text, or raw bytes)."""
+
+    def write(text: str | bytes, name: str = "spec.yaml") -> Path:
+        path = tmp_path / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        if isinstance(text, bytes):
+            path.write_bytes(text)
+        else:
+            path.write_text(text, encoding="utf-8")
+        return path
+
+    return write
+
+
+@pytest.fixture
+def cli(capsys):
+    """cli(*argv) -> (exit code, stdout, stderr) of `k3compile.cli.main` run in this process."""
+    from k3compile.cli import main
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        capsys.readouterr()
+        try:
+            rc = main([str(a) for a in argv])
+        except SystemExit as e:  # argparse: --help, --version, usage errors
+            rc = e.code if isinstance(e.code, int) else 1
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return run
+
+
+def run_k3compile(*argv: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The `k3compile` command as a separate process (the installed entry point's module)."""
+    return subprocess.run(
+        [sys.executable, "-m", "k3compile.cli", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        cwd=cwd or ROOT,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def k3compile_cmd():
+    return run_k3compile
