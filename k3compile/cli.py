@@ -78,6 +78,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("b", help="second spec")
     p.add_argument("--context", type=_positive, default=None, help="context length for derived numbers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
+
+    p = sub.add_parser(
+        "build",
+        help="lower, run the pass pipeline and emit an importable package",
+        description="Lower a spec to a torch.fx graph over k3 ops, run the pass pipeline (interleave, attn_res, "
+        "shard_experts, pack_mxfp4, fuse, bind_kernels; the graph is verified after each) and write "
+        "DIR/<spec name>/: model.py (Model, InferenceModel), manifest.json, graphs/. Full-size specs build with "
+        "meta parameters (shapes only). The build is atomic and only replaces a previous build.",
+    )
+    _add_spec_args(p)
+    p.add_argument("-o", "--out", default="build", help="output directory (default: build)")
+    p.add_argument("--target", choices=("cpu", "a100", "h100", "h200", "b200"), help="kernel target (default: the spec's)")
+    p.add_argument("--mode", choices=("train", "infer", "both"), default="both",
+                   help="train: Model (QAT per the policy); infer: InferenceModel (MX-packed weights); both (default)")
+    p.add_argument("--dump-after", action="append", default=[], metavar="PASS|all",
+                   help="write the graph after PASS (or every pass) into DIR/<name>/graphs/ (repeatable)")
+    p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass (repeatable)")
+    p.add_argument("--verify-numerics", action="store_true",
+                   help="run a small real instance before and after each numerics-preserving pass; fail on a difference")
     return parser
 
 
@@ -112,7 +131,40 @@ def _cmd_diff(args) -> None:
         print_diff(diff, args.a, args.b)
 
 
-COMMANDS = {"stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff}
+def _cmd_build(args) -> None:
+    from k3compile.build import BuildOptions, build, pipeline
+    from k3compile.emit.package import BuildDirError
+    from k3compile.ir.pass_manager import NumericsMismatch, PassFailure
+    from k3compile.report import print_build
+    from k3compile.spec.load import load_spec
+
+    spec = load_spec(args.spec, args.overrides)
+    known = [p.name for p in pipeline()]
+    for name in args.disable_pass + [d for d in args.dump_after if d != "all"]:
+        if name not in known:
+            raise UsageError(f"unknown pass '{name}'; passes are: {', '.join(known)}")
+    options = BuildOptions(
+        target=args.target,
+        mode=args.mode,
+        disabled=frozenset(args.disable_pass),
+        dump_after=frozenset(args.dump_after),
+        verify_numerics=args.verify_numerics,
+    )
+    from rich.progress import Progress
+
+    modes = 2 if args.mode == "both" else 1
+    with Progress(transient=True) as progress:
+        task = progress.add_task(f"building {spec.name}", total=modes * len(known))
+        try:
+            dest, manifest = build(
+                spec, args.out, options, on_pass=lambda name: progress.update(task, advance=1, description=name)
+            )
+        except (PassFailure, NumericsMismatch, BuildDirError, ValueError) as e:
+            raise UsageError(str(e)) from None
+    print_build(dest, manifest)
+
+
+COMMANDS = {"stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -155,3 +155,32 @@ def print_diff(diff: dict, name_a: str, name_b: str) -> None:
     con.print(t)
     same = sum(1 for v in diff["derived"].values() if v["delta"] == 0)
     con.print(f"{same} derived numbers unchanged")
+
+
+def print_build(dest, manifest: dict) -> None:
+    """Summary of a build: what was written, the passes and their statistics, the kernel binding table."""
+    con = _console()
+    st = manifest["stats"]["params"]
+    con.print(
+        f"[bold]built[/bold] {dest}  ({manifest['spec']['name']}, target {manifest['target']}, "
+        f"modes {'+'.join(manifest['modes'])}, {human(st['total'])} parameters, weights: {manifest['weights']})"
+    )
+    for mode, records in manifest["passes"].items():
+        t = Table(title=f"{mode}: passes", title_justify="left")
+        t.add_column("pass")
+        t.add_column("status")
+        t.add_column("statistics")
+        for r in records:
+            stats = ", ".join(f"{k} {v}" for k, v in r["statistics"].items())
+            t.add_row(r["name"], r["status"], stats)
+        con.print(t)
+    for mode, rows in manifest["binding_table"].items():
+        t = Table(title=f"{mode}: kernel binding ({manifest['target']})", title_justify="left")
+        for col in ("op", "implementation", "nodes", "reason"):
+            t.add_column(col, justify="right" if col == "nodes" else "left")
+        for row in rows:
+            if row["impl"] != "native":
+                t.add_row(row["op"], row["impl"], str(row["nodes"]), row["reason"])
+        native = sum(r["nodes"] for r in rows if r["impl"] == "native")
+        t.add_row("PyTorch built-ins", "native", str(native), "linear, embedding, views, elementwise")
+        con.print(t)

@@ -129,57 +129,55 @@ def _decay(log_decay: Tensor) -> Tensor:
     return torch.exp(log_decay.clamp_min(_EXP_FLOOR))
 
 
-# Per-token log decays below this are treated as this value inside the diagonal blocks only: a decay of
-# exp(-87) is already below fp32's smallest normal number, so nothing representable changes.
-_DIAG_G_FLOOR = -87.0
+# Diagonal 8x8 blocks factor exp(G_i - G_j) through the block's middle, a span of at most 4 steps, so a
+# per-step floor of -21 (fp32) keeps every factor inside exp's range (4 * 21 < 88). The floor only bites
+# where a decay exp(g) is below exp(-21) ~ 8e-10, and then moves a product that small by less than it.
+_BASE = 8
+_BASE_G_FLOOR = {torch.float32: -21.0, torch.float64: -170.0}
 
 
-def _sub_chunk(chunk_size: int) -> int:
-    """Diagonal block size of `_intra_chunk_scores`: 16, or the whole chunk when 16 does not divide it."""
-    return 16 if chunk_size % 16 == 0 else chunk_size
+def _diagonal_blocks(A_NCC: Tensor, b: int) -> Tensor:
+    """Writable view of the diagonal b x b blocks of A [..., C, C], as [..., C // b, b, b]."""
+    n = A_NCC.shape[-1] // b
+    return A_NCC.unflatten(-1, (n, b)).unflatten(-3, (n, b)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
 
 
-def _intra_chunk_scores(
-    q_NCK: Tensor, k_NCK: Tensor, g_NCK: Tensor, G_NCK: Tensor, sub: int
-) -> tuple[Tensor, Tensor]:
+def _intra_chunk_scores(q_NCK: Tensor, k_NCK: Tensor, g_NCK: Tensor, G_NCK: Tensor) -> tuple[Tensor, Tensor]:
     """A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, and A_kk (k in place of q) for j < i.
 
-    exp(G_i - G_j) is never formed from exp(G_i) * exp(-G_j) over a whole chunk, which overflows fp32
-    for strong decays. Blocks below the diagonal factor it through the first position r of the row block,
-    exp(G_i - G_r) * exp(G_r - G_j), both factors in (0, 1]. Diagonal blocks (size `sub`) factor through
-    the block's middle in float64, where a span of sub/2 steps of at most 87 each cannot overflow.
-    Leading dims are batch dims; returns two masked [..., C, C] matrices in the compute dtype.
+    exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) across a chunk: that overflows for strong
+    decays. Instead, by halving: the lower-left quadrant of every diagonal block of size b (64, 32, 16)
+    factors through the first row r of its lower half, exp(G_i - G_r) * exp(G_r - G_j), both in (0, 1];
+    the 8x8 diagonal blocks factor through their middle with floored per-step decays (see _BASE_G_FLOOR).
+    C must be a power of two. Leading dims are batch dims; returns two [..., C, C] matrices.
     """
     C = q_NCK.shape[-2]
-    ns = C // sub
-    dtype = q_NCK.dtype
-    tri = torch.ones(sub, sub, dtype=torch.bool, device=q_NCK.device).tril()
+    base = min(C, _BASE)
+    n0 = C // base
+    A_qk = q_NCK.new_zeros(*q_NCK.shape[:-1], C)
+    A_kk = q_NCK.new_zeros(*q_NCK.shape[:-1], C)
 
-    D = g_NCK.clamp_min(_DIAG_G_FLOOR).double().unflatten(-2, (ns, sub)).cumsum(-2)
-    D = D - D[..., sub // 2 : sub // 2 + 1, :]
-    q_up, k_up = q_NCK.double().unflatten(-2, (ns, sub)), k_NCK.double().unflatten(-2, (ns, sub))
-    k_down = (k_up * torch.exp(-D)).transpose(-1, -2)
-    decay_up = torch.exp(D)
+    q_blk, k_blk = q_NCK.unflatten(-2, (n0, base)), k_NCK.unflatten(-2, (n0, base))
+    D = g_NCK.clamp_min(_BASE_G_FLOOR[g_NCK.dtype]).unflatten(-2, (n0, base)).cumsum(-2)
+    D = D - D[..., base // 2 : base // 2 + 1, :]
+    k_down = (k_blk * torch.exp(-D)).transpose(-1, -2)
+    up = torch.exp(D)
+    tri = torch.ones(base, base, dtype=torch.bool, device=q_NCK.device).tril()
     # where, not a multiply: entries above the diagonal may overflow to inf and must not make NaNs.
-    diag_qk = torch.where(tri, (q_up * decay_up) @ k_down, 0.0).to(dtype)
-    diag_kk = torch.where(tri.tril(-1), (k_up * decay_up) @ k_down, 0.0).to(dtype)
+    _diagonal_blocks(A_qk, base).copy_(torch.where(tri, (q_blk * up) @ k_down, 0.0))
+    _diagonal_blocks(A_kk, base).copy_(torch.where(tri.tril(-1), (k_blk * up) @ k_down, 0.0))
 
-    G_blk = G_NCK.unflatten(-2, (ns, sub))
-    row_decay = _decay(G_blk - G_blk[..., :1, :])  # exp(G_i - G_r) <= 1, r = first of the row block
-    rows_qk, rows_kk = [], []
-    for a in range(ns):
-        lo, hi = a * sub, (a + 1) * sub
-        right = q_NCK.new_zeros(*q_NCK.shape[:-2], sub, C - hi)
-        if a == 0:
-            rows_qk.append(torch.cat([diag_qk[..., 0, :, :], right], dim=-1))
-            rows_kk.append(torch.cat([diag_kk[..., 0, :, :], right], dim=-1))
-            continue
-        cols = (k_NCK[..., :lo, :] * _decay(G_NCK[..., lo : lo + 1, :] - G_NCK[..., :lo, :])).transpose(-1, -2)
-        off_qk = (q_NCK[..., lo:hi, :] * row_decay[..., a, :, :]) @ cols
-        off_kk = (k_NCK[..., lo:hi, :] * row_decay[..., a, :, :]) @ cols
-        rows_qk.append(torch.cat([off_qk, diag_qk[..., a, :, :], right], dim=-1))
-        rows_kk.append(torch.cat([off_kk, diag_kk[..., a, :, :], right], dim=-1))
-    return torch.cat(rows_qk, dim=-2), torch.cat(rows_kk, dim=-2)
+    b = 2 * base
+    while b <= C:
+        nb, h = C // b, b // 2
+        G_b, q_b, k_b = (t.unflatten(-2, (nb, b)) for t in (G_NCK, q_NCK, k_NCK))
+        G_r = G_b[..., h : h + 1, :]
+        row_decay = _decay(G_b[..., h:, :] - G_r)
+        cols = (k_b[..., :h, :] * _decay(G_r - G_b[..., :h, :])).transpose(-1, -2)
+        _diagonal_blocks(A_qk, b)[..., h:, :h].copy_((q_b[..., h:, :] * row_decay) @ cols)
+        _diagonal_blocks(A_kk, b)[..., h:, :h].copy_((k_b[..., h:, :] * row_decay) @ cols)
+        b *= 2
+    return A_qk, A_kk
 
 
 def kda_chunk_ref(
@@ -195,14 +193,14 @@ def kda_chunk_ref(
     """Chunkwise-parallel KDA (UT transform): (o_BTHV in v's dtype, final fp32 state).
 
     Per chunk (C tokens, Gamma = exp of the in-chunk cumulative log decay G):
-      (I + A_kk) X = Diag(beta) [Gamma*K | V]  (unit lower triangular solve)  ->  W, U
+      X = [W | U] = (I + A_kk)^-1 Diag(beta) [Gamma*K | V]   (A_kk strictly lower, rows scaled by beta)
       pseudo-values V' = U - W S;  O = (Gamma*Q) S + A_qk V';  S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V'.
     Everything that does not depend on the carried state is computed for all chunks at once; the chunk
     loop is a single matmul-add per chunk, S <- (Diag(gamma_C) - Kc^T W) S + Kc^T U. T is zero-padded
     to a multiple of C inside (padded tokens have k = 0, g = 0, so they leave the state alone).
     """
-    if chunk_size < 1:
-        raise ValueError(f"chunk_size must be positive, got {chunk_size}")
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
     dtype = _compute_dtype(q_BTHK)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
@@ -220,26 +218,29 @@ def kda_chunk_ref(
     G = g.cumsum(-2)
     G_last = G[..., -1:, :]  # [B, H, N, 1, K]
 
-    A_qk, A_kk = _intra_chunk_scores(q, k, g, G, _sub_chunk(C))
+    A_qk, A_kk = _intra_chunk_scores(q, k, g, G)
     decay_in = _decay(G)  # Gamma: decay from the chunk start to each token
-    rhs = beta * torch.cat([k * decay_in, v], dim=-1)
-    X = torch.linalg.solve_triangular(beta * A_kk, rhs, upper=False, unitriangular=True)
-    W, U = X[..., :K], X[..., K:]
+    eye = torch.eye(C, dtype=dtype, device=q.device).expand_as(A_kk)
+    # (I + Diag(beta) A_kk)^-1 through one batched triangular solve against I (faster on CPU than
+    # solving against the wide right-hand side), then X = [W | U] = M Diag(beta) [Gamma*K | V].
+    inverse = torch.linalg.solve_triangular(beta * A_kk, eye, upper=False, unitriangular=True)
+    X = inverse @ (beta * torch.cat([k * decay_in, v], dim=-1))
 
-    k_to_end = k * _decay(G_last - G)  # Gamma_{i->C} * K
-    transition = torch.diag_embed(_decay(G_last[..., 0, :])) - k_to_end.transpose(-1, -2) @ W  # [B,H,N,K,K]
-    inject = k_to_end.transpose(-1, -2) @ U  # [B, H, N, K, V]
+    k_to_end = (k * _decay(G_last - G)).transpose(-1, -2)  # (Gamma_{i->C} * K)^T, [B, H, N, K, C]
+    kX = k_to_end @ X  # [Kc^T W | Kc^T U]
+    transition = torch.diag_embed(_decay(G_last[..., 0, :])) - kX[..., :K]  # [B, H, N, K, K]
+    inject = kX[..., K:]  # [B, H, N, K, V]
 
     S = _initial_state(q_BTHK, v_BTHV, initial_state_BHKV, dtype)
     starts = []
-    for n in range(N):
+    # unbind once (not inject[:, :, n]): its backward is one stack, not N full-size zero-filled grads.
+    for inject_n, transition_n in zip(inject.flatten(0, 1).unbind(1), transition.flatten(0, 1).unbind(1)):
         starts.append(S)
-        S = torch.baddbmm(inject[:, :, n].flatten(0, 1), transition[:, :, n].flatten(0, 1), S.flatten(0, 1))
-        S = S.unflatten(0, (B, H))
-    S_start = torch.stack(starts, dim=2) if starts else q.new_zeros(B, H, 0, K, V)
+        S = torch.baddbmm(inject_n, transition_n, S.flatten(0, 1)).unflatten(0, (B, H))
+    S_start = torch.stack(starts, dim=2)
 
-    q_in = q * decay_in - A_qk @ W  # O = (Gamma*Q - A_qk W) S + A_qk U
-    o = scale * (q_in @ S_start + A_qk @ U)
+    AX = A_qk @ X  # O = (Gamma*Q - A_qk W) S + A_qk U
+    o = scale * ((q * decay_in - AX[..., :K]) @ S_start + AX[..., K:])
     o = o.flatten(2, 3)[:, :, :T].permute(0, 2, 1, 3)
     return o.to(v_BTHV.dtype), S
 
@@ -261,8 +262,3 @@ def kda_gate_ref(
         return -a * F.softplus(x)
     raise ValueError(f"unknown KDA decay form {form!r}; expected one of {DECAY_FORMS}")
 
-
-def l2_norm_ref(x: Tensor, eps: float = 1e-6) -> Tensor:
-    """x / sqrt(sum(x^2) + eps) over the last dim (per head for q and k), computed in fp32."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.square().sum(-1, keepdim=True) + eps)).to(x.dtype)

@@ -76,3 +76,63 @@ def run_k3compile(*argv: str, cwd: Path | None = None) -> subprocess.CompletedPr
 @pytest.fixture
 def k3compile_cmd():
     return run_k3compile
+
+
+# A small spec whose every weight the analysis tests count by hand. Layers: 0 K+dense, 1 K+MoE, 2 M+MoE, 3 M+MoE
+# (pattern KKM tiled over 4 layers gives KKMK; last_layer_full turns layer 3 into M).
+HAND_SPEC = """\
+name: hand
+vocab_size: 32
+hidden_size: 64
+num_layers: 4
+context_length: 4096
+layout: {pattern: KKM, last_layer_full: true}
+kda:
+  num_heads: 2
+  head_dim: 16
+  short_conv_size: 3
+  decay: {form: lower_bounded_sigmoid, lower_bound: -5.0, rank: 8}
+  output_gate_rank: 4
+mla: {num_heads: 2, q_lora_rank: 16, kv_lora_rank: 32, qk_nope_head_dim: 8, qk_rope_head_dim: 4, v_head_dim: 16}
+dense_ffn: {layers: [0], intermediate_size: 96}
+moe:
+  num_experts: 8
+  top_k: 2
+  expert_intermediate_size: 32
+  num_shared_experts: 2
+  shared_intermediate_size: 16
+  latent_size: 32
+activation: {kind: situ_glu, beta1: 4, beta2: 25}
+residual: {kind: attn_res, mode: block, block_size: 2}
+quantization:
+  block_size: 32
+  rules: [{match: "layers.*.moe.experts.*", weight: mxfp4, activation: mxfp8}]
+parallel: {ep: 4}
+training: {seq_len: 128}
+"""
+
+
+@pytest.fixture
+def hand_text() -> str:
+    return HAND_SPEC
+
+
+@pytest.fixture
+def hand_spec():
+    from k3compile.spec.load import load_spec_text
+
+    return load_spec_text(HAND_SPEC, "hand.yaml")
+
+
+@pytest.fixture(scope="session")
+def k3_spec():
+    from k3compile.spec.load import load_spec
+
+    return load_spec(K3)
+
+
+@pytest.fixture(scope="session")
+def kimi_linear_spec():
+    from k3compile.spec.load import load_spec
+
+    return load_spec(KIMI_LINEAR)

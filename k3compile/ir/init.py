@@ -31,6 +31,11 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
 
 
+def initial_value(name: str, shape: tuple[int, ...], spec: Spec) -> torch.Tensor:
+    """The fp32 initial value of parameter `name` (on the CPU), by the rules above."""
+    return _init_value(name, torch.Size(shape), spec, _generator(spec.training.seed, name))
+
+
 def _init_value(name: str, shape: torch.Size, spec: Spec, gen: torch.Generator) -> torch.Tensor:
     std = spec.init_std
     if fnmatch.fnmatchcase(name, "*norm.weight"):
@@ -56,4 +61,4 @@ def init_parameters(module: nn.Module, spec: Spec, prefix: str = "") -> None:
         if p.device.type == "meta":
             continue
         full = f"{prefix}.{name}" if prefix else name
-        p.copy_(_init_value(full, p.shape, spec, _generator(spec.training.seed, full)).to(p.dtype))
+        p.copy_(initial_value(full, p.shape, spec).to(p.dtype))

@@ -88,15 +88,16 @@ def _rel_diff(a, b) -> float:
 class PassManager:
     """Runs passes in order over a graph, verifying after each.
 
-    `dump` maps a pass name (or 'all') to dumping the graph after it into `dump_dir`;
-    `numerics` is (graph builder, inputs) for a small real instance that is checked
-    before and after every numerics-preserving pass (`--verify-numerics`).
+    `dump_after` names passes (or 'all') after which the graph text goes to `on_dump(name, text)`;
+    `numerics` is (graph, inputs) of a small real instance that runs every pass too and is
+    compared before and after each numerics-preserving one (`--verify-numerics`).
     """
 
     passes: list[GraphPass]
     disabled: frozenset[str] = frozenset()
     dump_after: frozenset[str] = frozenset()
-    dump_dir: Path | None = None
+    on_dump: Callable[[str, str], None] | None = None
+    on_pass: Callable[[str], None] | None = None
     numerics: tuple[fx.GraphModule, tuple] | None = None
     rtol: float = 1e-5
     reproducer_root: Path | None = None
@@ -115,6 +116,8 @@ class PassManager:
             if p.name in self.disabled:
                 self.records.append(PassRecord(p.name, p.summary, p.preserves_numerics, "disabled"))
                 continue
+            if self.on_pass is not None:
+                self.on_pass(p.name)
             try:
                 stats = p.run(gm, ctx) or {}
                 gm.graph.eliminate_dead_code()
@@ -152,10 +155,9 @@ class PassManager:
         return diff
 
     def _dump(self, gm: fx.GraphModule, index: int, name: str) -> None:
-        if self.dump_dir is None or not ({"all", name} & self.dump_after or (index == 0 and self.dump_after)):
-            return
-        self.dump_dir.mkdir(parents=True, exist_ok=True)
-        (self.dump_dir / f"{index:02d}-{name}.txt").write_text(format_graph(gm))
+        wanted = {"all", name} & self.dump_after or (index == 0 and self.dump_after)
+        if self.on_dump is not None and wanted:
+            self.on_dump(f"{index:02d}-{name}", format_graph(gm))
 
     def _reproducer(self, ctx: PassContext, failed_index: int) -> Path | None:
         root = self.reproducer_root or Path(tempfile.gettempdir())

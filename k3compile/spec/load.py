@@ -279,8 +279,21 @@ def _locate(locs: dict, path: Path_, root: Loc | str) -> Loc | str:
     return root
 
 
-def _describe(err: dict) -> tuple[Path_, str]:
-    path: Path_ = tuple(p for p in err["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function-"))))
+def _data_path(loc: tuple, data: Any) -> Path_:
+    """An error's loc as a path in the data: pydantic's own tags (`function-after[...]`) dropped, user keys kept."""
+    path: list[str | int] = []
+    for p in loc:
+        if isinstance(data, dict) and p in data or isinstance(data, list) and isinstance(p, int) and 0 <= p < len(data):
+            path.append(p)
+            data = data[p]
+        elif not (isinstance(p, str) and ("[" in p or p.startswith("function-"))):
+            path.append(p)
+            data = None
+    return tuple(path)
+
+
+def _describe(err: dict, data: dict) -> tuple[Path_, str]:
+    path = _data_path(err["loc"], data)
     kind = err["type"]
     if kind == "extra_forbidden":
         key = path[-1]
@@ -308,7 +321,7 @@ def _validate(data: dict, locs: dict, root: Loc | str) -> Spec:
     except ValidationError as e:
         lines = []
         for err in e.errors(include_url=False):
-            path, msg = _describe(err)
+            path, msg = _describe(err, data)
             lines.append(f"{_locate(locs, path, root)}: {_fmt_path(path)}: {msg}")
         raise SpecError(lines) from None
 

@@ -7,7 +7,7 @@ Most cases run `k3compile.cli.main` in-process; a few run the real command in a 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import pytest
 
@@ -74,7 +74,6 @@ class Case:
     col: int
     path: str
     fragment: str  # part of the message
-    extra: dict = field(default_factory=dict)
 
 
 def spec_case(id, text, line, col, path, fragment, *, overrides=()):
@@ -113,6 +112,8 @@ CASES = [
               "unknown field 'hidden_sise'; did you mean 'hidden_size'?"),
     spec_case("unknown-nested-key", edit({25: "  top_k: 2\n  topk: 2"}), 26, 3, "moe.topk",
               "unknown field 'topk'; did you mean 'top_k'?"),
+    spec_case("key-with-bracket", edit(append='"0[": 1\n'), 37, 1, "0[", "unknown field '0['"),
+    spec_case("key-with-newline", edit(append='"a\\nb": 1\n'), 37, 1, "'a\\nb'", "unknown field 'a\\nb'"),
     spec_case("wrong-type", edit({3: "hidden_size: wide"}), 3, 1, "hidden_size", "valid integer"),
     spec_case("bool-for-number", edit({3: "hidden_size: yes"}), 3, 1, "hidden_size", "boolean"),
     spec_case("wrong-type-section", edit({6: "layout: KKKM", 7: ""}), 6, 1, "layout", "valid dictionary"),
@@ -153,7 +154,7 @@ CASES = [
     # --- --set overrides
     override_case("override-syntax", ["moe.top_k"], 1, 1, "<spec>", "not of the form a.b=value"),
     override_case("override-empty-key", ["=3"], 1, 1, "<spec>", "not of the form a.b=value"),
-    override_case("override-bad-path", ["moe..top_k=2"], 1, 1, "moe..top_k", "not a dotted field path"),
+    override_case("override-bad-path", ["moe..top_k=2"], 1, 1, "moe.''.top_k", "not a dotted field path"),
     override_case("override-unknown-field", ["moe.topk=3"], 1, 10, "moe.topk", "did you mean 'top_k'?"),
     override_case("override-unknown-section", ["moee.top_k=3"], 1, 12, "moee", "did you mean 'moe'?"),
     override_case("override-wrong-type", ["moe.top_k=many"], 1, 11, "moe.top_k", "valid integer"),

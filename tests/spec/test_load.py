@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from pydantic import ValidationError
 
 from k3compile.spec.load import SpecError, load_spec, load_spec_text
 from k3compile.spec.schema import Spec
@@ -31,7 +32,7 @@ def test_text_refuses_extends():
 
 def test_spec_is_frozen(tiny):
     spec = load_spec(tiny)
-    with pytest.raises(Exception):
+    with pytest.raises(ValidationError):
         spec.hidden_size = 1
     assert hash(spec) == hash(load_spec(tiny))
 

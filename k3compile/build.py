@@ -1,0 +1,157 @@
+"""`k3compile build`: lower a spec, run the pass pipeline per mode, emit the package.
+
+Small specs lower with real, initialised weights on the CPU; full-size ones on the
+meta device, so a 2.8T-parameter model builds in seconds with no weight memory.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from torch import fx
+
+from k3compile import __version__
+from k3compile.analysis.params import param_counts
+from k3compile.analysis.stats import spec_stats
+from k3compile.emit.codegen import model_source, spec_hash
+from k3compile.emit.package import write_package
+from k3compile.ir.lower import lower
+from k3compile.ir.pass_manager import GraphPass, PassContext, PassManager, PassRecord
+from k3compile.ir.verify import format_graph
+from k3compile.spec.schema import Spec
+
+REAL_WEIGHTS_MAX_PARAMS = 200_000_000  # above this, lower on the meta device
+MODES = ("train", "infer")
+
+
+def pipeline() -> list[GraphPass]:
+    """The passes in order (see ARCHITECTURE: interleave ▸ attn_res ▸ shard_experts ▸ pack ▸ fuse ▸ bind)."""
+    from k3compile.passes import attn_res, bind_kernels, fuse, interleave, pack_mxfp4, shard_experts
+
+    return [m.PASS for m in (interleave, attn_res, shard_experts, pack_mxfp4, fuse, bind_kernels)]
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    target: str | None = None  # default: the spec's
+    mode: str = "both"  # train | infer | both
+    disabled: frozenset[str] = frozenset()
+    dump_after: frozenset[str] = frozenset()
+    verify_numerics: bool = False
+    device: str | None = None  # default: cpu for small specs, meta for large
+
+
+@dataclass
+class CompiledGraph:
+    mode: str
+    gm: fx.GraphModule
+    records: list[PassRecord]
+    dumps: dict[str, str] = field(default_factory=dict)
+
+
+def lowering_device(spec: Spec, options: BuildOptions) -> str:
+    if options.device:
+        return options.device
+    return "cpu" if param_counts(spec)["total"] <= REAL_WEIGHTS_MAX_PARAMS else "meta"
+
+
+def compile_graph(
+    spec: Spec, mode: str, options: BuildOptions, on_pass: Callable[[str], None] | None = None
+) -> CompiledGraph:
+    """Lower `spec` and run the pipeline for one mode; the graph is verified after every pass."""
+    device = lowering_device(spec, options)
+    target = options.target or spec.target
+    ctx = PassContext(spec=spec, mode=mode, target=target)
+    lowered = lower(spec, device)
+    numerics = None
+    if options.verify_numerics:
+        if device == "meta":
+            raise ValueError("--verify-numerics needs real weights: use it on a small spec (or --set smaller dims)")
+        small = lower(spec, "cpu")
+        numerics = (small.gm, small.example_inputs)
+    passes = pipeline()
+    dumps: dict[str, str] = {}
+    manager = PassManager(
+        passes,
+        disabled=options.disabled,
+        dump_after=options.dump_after,
+        numerics=numerics,
+        on_dump=lambda name, text: dumps.__setitem__(name, text),
+        on_pass=on_pass,
+    )
+    gm = manager.run(lowered.gm, ctx, lowered.example_inputs)
+    return CompiledGraph(mode, gm, manager.records, dumps)
+
+
+def binding_table(gm: fx.GraphModule) -> list[dict]:
+    """One row per bound op kind: op, implementation, node count, reason."""
+    rows: dict[tuple, dict] = {}
+    for n in gm.graph.nodes:
+        k = n.meta.get("kernel")
+        if not k:
+            continue
+        key = (k["op"], k["impl"], k.get("reason", ""))
+        rows.setdefault(key, {"op": k["op"], "impl": k["impl"], "nodes": 0, "reason": k.get("reason", "")})
+        rows[key]["nodes"] += 1
+    return sorted(rows.values(), key=lambda r: (r["op"], r["impl"]))
+
+
+def _bindings(gm: fx.GraphModule) -> dict[str, dict]:
+    return {n.name: n.meta["kernel"] for n in gm.graph.nodes if n.meta.get("kernel")}
+
+
+def _packed(gm: fx.GraphModule) -> dict:
+    return dict(gm.meta.get("packed", {}))
+
+
+def build(
+    spec: Spec, out_dir: Path, options: BuildOptions = BuildOptions(), on_pass: Callable[[str], None] | None = None
+) -> tuple[Path, dict]:
+    """Compile every requested mode and write `out_dir/<spec name>/`; returns (path, manifest)."""
+    modes = MODES if options.mode == "both" else (options.mode,)
+    target = options.target or spec.target
+    compiled = {m: compile_graph(spec, m, options, on_pass) for m in modes}
+    device = lowering_device(spec, options)
+    pass_names = [r.name for r in next(iter(compiled.values())).records if r.status == "ran"]
+    source = model_source(
+        spec,
+        pass_names,
+        target,
+        {m: c.gm for m, c in compiled.items()},
+        default_device=device,
+        packed={m: _packed(c.gm) for m, c in compiled.items()},
+    )
+    manifest = {
+        "compiler": f"k3compile {__version__}",
+        "spec": {"name": spec.name, "sha256": spec_hash(spec), "fields": spec.model_dump(mode="json")},
+        "target": target,
+        "modes": list(modes),
+        "weights": "meta (shapes only; load real weights later)" if device == "meta" else "initialised (seeded)",
+        "stats": spec_stats(spec),
+        "passes": {m: [r.as_dict() for r in c.records] for m, c in compiled.items()},
+        "binding_table": {m: binding_table(c.gm) for m, c in compiled.items()},
+        "bindings": {m: _bindings(c.gm) for m, c in compiled.items()},
+    }
+    exports = ["SPEC_JSON"] + [{"train": "Model", "infer": "InferenceModel"}[m] for m in modes]
+    files = {
+        "model.py": source.encode(),
+        "__init__.py": _init_source(spec, exports).encode(),
+        "manifest.json": (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(),
+    }
+    for m, c in compiled.items():
+        files[f"graphs/{m}-final.txt"] = format_graph(c.gm).encode()
+        for name, text in c.dumps.items():
+            files[f"graphs/{m}/{name}.txt"] = text.encode()
+    dest = write_package(Path(out_dir) / spec.name, files, {"compiler": __version__, "spec": spec.name})
+    return dest, manifest
+
+
+def _init_source(spec: Spec, exports: list[str]) -> str:
+    return (
+        f'"""k3compile build of spec {spec.name!r} (sha256 {spec_hash(spec)[:16]}...): import Model / InferenceModel."""\n\n'
+        f"from .model import {', '.join(exports)}\n\n"
+        f"__all__ = {exports!r}\n"
+    )

@@ -1,0 +1,122 @@
+"""KDA ops: chunked and recurrent Kimi Delta Attention, the fused decode step, and the decay gate.
+
+Layout: q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K] log decay (<= 0); beta [B,T,H]; state [B,H,K,V] fp32.
+q and k are used as given (the layer L2-normalises them first); the default scale is K**-0.5.
+Outputs take v's dtype; the state is fp32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels import kda as ref
+from k3compile.ops.registry import k3_op
+
+MODES = ("chunk", "recurrent")
+_DIFF = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def _state_dtype(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _kda_fake(q, k, v, g, beta, scale, initial_state, *rest):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    return v.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=_state_dtype(q))
+
+
+@k3_op("kda_chunk", fake=_kda_fake, differentiable=_DIFF)
+def kda_chunk_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None,
+    initial_state: Tensor | None,
+    chunk_size: int,
+) -> tuple[Tensor, Tensor]:
+    o, S = ref.kda_chunk_ref(q, k, v, g, beta, scale, initial_state, chunk_size)
+    return o.contiguous(), S
+
+
+@k3_op("kda_recurrent", fake=_kda_fake, differentiable=_DIFF)
+def kda_recurrent_op(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None,
+    initial_state: Tensor | None,
+) -> tuple[Tensor, Tensor]:
+    o, S = ref.kda_recurrent_ref(q, k, v, g, beta, scale, initial_state)
+    return o.contiguous(), S
+
+
+def _decode_fake(q, k, v, g, beta, state, scale):
+    return v.new_empty(v.shape), torch.empty_like(state, dtype=_state_dtype(q))
+
+
+@k3_op("kda_decode_step", fake=_decode_fake, differentiable=("q", "k", "v", "g", "beta", "state"))
+def kda_decode_step_op(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, scale: float | None
+) -> tuple[Tensor, Tensor]:
+    o, S = ref.kda_decode_step_ref(q, k, v, g, beta, state, scale)
+    return o.contiguous(), S
+
+
+@k3_op(
+    "kda_gate",
+    fake=lambda f, A_log, dt_bias, form, lower_bound: torch.empty_like(f, dtype=torch.float32),
+    differentiable=("f", "A_log", "dt_bias"),
+)
+def kda_gate_op(f: Tensor, A_log: Tensor, dt_bias: Tensor, form: str, lower_bound: float) -> Tensor:
+    return ref.kda_gate_ref(f, A_log, dt_bias, form, lower_bound)
+
+
+def kda(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    *,
+    scale: float | None = None,
+    initial_state: Tensor | None = None,
+    output_final_state: bool = False,
+    mode: str = "chunk",
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor | None]:
+    """Kimi Delta Attention over a sequence: (o [B,T,H,V], final state [B,H,K,V] or None).
+
+    mode "chunk" is the chunkwise-parallel UT-transform form (training, prefill; chunk_size a power of
+    two, T padded inside); mode "recurrent" steps token by token. Both agree to fp32 rounding.
+    """
+    if mode == "chunk":
+        o, S = torch.ops.k3.kda_chunk.default(q, k, v, g, beta, scale, initial_state, chunk_size)
+    elif mode == "recurrent":
+        o, S = torch.ops.k3.kda_recurrent.default(q, k, v, g, beta, scale, initial_state)
+    else:
+        raise ValueError(f"unknown KDA mode {mode!r}; expected one of {MODES}")
+    return o, (S if output_final_state else None)
+
+
+def kda_decode_step(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, scale: float | None = None
+) -> tuple[Tensor, Tensor]:
+    """One decoding token: q, k, g [B,H,K], v [B,H,V], beta [B,H], state [B,H,K,V] -> (o [B,H,V], new state)."""
+    return torch.ops.k3.kda_decode_step.default(q, k, v, g, beta, state, scale)
+
+
+def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, form: str, lower_bound: float = -5.0) -> Tensor:
+    """Log decay g [B,T,H,K] fp32 from the gate projection f [B,T,H,K], A_log [H], dt_bias [H*K].
+
+    form "lower_bounded_sigmoid" (K3): g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias));
+    form "softplus" (Kimi Linear): g = -exp(A_log) * softplus(f + dt_bias) (lower_bound ignored).
+    """
+    if form not in ref.DECAY_FORMS:
+        raise ValueError(f"unknown KDA decay form {form!r}; expected one of {ref.DECAY_FORMS}")
+    return torch.ops.k3.kda_gate.default(f, A_log, dt_bias, form, lower_bound)

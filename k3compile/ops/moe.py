@@ -1,0 +1,120 @@
+"""k3 MoE ops: router (moe_route), fixed-capacity dispatch/combine, and the batched expert MLP."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels import moe as ref
+from k3compile.ops.activations import gelu, situ_glu, swiglu
+from k3compile.ops.registry import k3_op
+
+ACTIVATIONS = ("situ_glu", "swiglu", "gelu")
+expert_capacity = ref.expert_capacity  # static C for T tokens; 0 or less selects dense (C = T)
+
+
+def _acc_dtype(t: Tensor) -> torch.dtype:
+    return torch.promote_types(t.dtype, torch.float32)
+
+
+def _route_fake(logits, bias, top_k, scoring, renormalize, routed_scale):
+    t, e = logits.shape
+    dt = _acc_dtype(logits)
+    weights = logits.new_empty(t, top_k, dtype=dt)
+    return weights, logits.new_empty(t, top_k, dtype=torch.int64), logits.new_empty(t, e, dtype=dt)
+
+
+@k3_op("moe_route", fake=_route_fake, differentiable=("logits",))
+def moe_route_op(
+    logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool, routed_scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    return ref.route_ref(logits, bias, top_k, scoring, renormalize, routed_scale)
+
+
+def _dispatch_fake(x, indices, num_experts, capacity_factor):
+    t, d = x.shape
+    cap = ref.expert_capacity(t, num_experts, indices.shape[-1], capacity_factor)
+    return (
+        x.new_empty(num_experts, cap, d),
+        indices.new_empty(indices.shape, dtype=torch.int64),
+        x.new_empty(num_experts, dtype=torch.int64),
+        x.new_empty((), dtype=torch.int64),
+    )
+
+
+@k3_op("moe_dispatch", fake=_dispatch_fake, differentiable=("x",))
+def moe_dispatch_op(
+    x: Tensor, indices: Tensor, num_experts: int, capacity_factor: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return ref.dispatch_ref(x, indices, num_experts, capacity_factor)
+
+
+def _combine_fake(expert_out, weights, slots):
+    return expert_out.new_empty(slots.shape[0], expert_out.shape[-1])
+
+
+@k3_op("moe_combine", fake=_combine_fake, differentiable=("expert_out", "weights"))
+def moe_combine_op(expert_out: Tensor, weights: Tensor, slots: Tensor) -> Tensor:
+    return ref.combine_ref(expert_out, weights, slots)
+
+
+def route(
+    logits: Tensor,
+    bias: Tensor | None,
+    top_k: int,
+    scoring: str = "sigmoid",
+    renormalize: bool = True,
+    routed_scale: float = 1.0,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Router on logits [T, E]: (weights [T, K] fp32, indices [T, K] int64, scores [T, E] fp32).
+
+    Top-k of scores + bias chooses; weights are the chosen unbiased scores (renormalised) * routed_scale.
+    Differentiable w.r.t. logits.
+    """
+    if scoring not in ("sigmoid", "softmax"):
+        raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
+    return torch.ops.k3.moe_route.default(logits, bias, top_k, scoring, renormalize, routed_scale)
+
+
+def moe_dispatch(
+    x: Tensor, indices: Tensor, num_experts: int, capacity_factor: float | None = None
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Tokens x [T, D] into expert buffers [E, C, D], C = ceil(capacity_factor * T * K / E) (<= T).
+
+    capacity_factor None is the dense, drop-free mode C = T. Returns (buffer, slots [T, K] for
+    `moe_combine`, load [E] int64 before dropping, dropped [] int64 choices over capacity).
+    """
+    cf = 0.0 if capacity_factor is None else float(capacity_factor)
+    return torch.ops.k3.moe_dispatch.default(x, indices, num_experts, cf)
+
+
+def moe_combine(expert_out: Tensor, weights: Tensor, slots: Tensor) -> Tensor:
+    """Expert outputs [E, C, D] back to tokens [T, D], weighted by the routing weights [T, K]."""
+    return torch.ops.k3.moe_combine.default(expert_out, weights, slots)
+
+
+def expert_mlp(
+    buffer: Tensor,
+    gate_weight: Tensor | None,
+    up_weight: Tensor,
+    down_weight: Tensor,
+    activation: str = "situ_glu",
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+) -> Tensor:
+    """All experts at once by batched matmuls: buffer [E, C, w], gate/up [E, I, w], down [E, w, I] -> [E, C, w].
+
+    Gated activations (situ_glu, swiglu) need gate_weight; gelu is ungated and takes none.
+    """
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    up = torch.matmul(buffer, up_weight.transpose(-1, -2))
+    if activation == "gelu":
+        hidden = gelu(up)
+    else:
+        if gate_weight is None:
+            raise ValueError(f"{activation} needs gate_weight")
+        gate = torch.matmul(buffer, gate_weight.transpose(-1, -2))
+        hidden = situ_glu(gate, up, beta1, beta2) if activation == "situ_glu" else swiglu(gate, up)
+    return torch.matmul(hidden, down_weight.transpose(-1, -2))
+

@@ -1,0 +1,83 @@
+"""Base classes of emitted models: parameters from the generated tables, seeded init, the loss.
+
+Emitted `model.py` files subclass these with their tables and a `graph` method
+(the bound fx graph as Python); everything shared lives here, once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from k3compile.ir.init import initial_value
+from k3compile.spec.schema import Spec
+
+IGNORE_INDEX = -100
+
+
+def _put(root: nn.Module, name: str, tensor: Tensor, parameter: bool) -> None:
+    *parents, leaf = name.split(".")
+    module = root
+    for part in parents:
+        if not hasattr(module, part):
+            module.add_module(part, nn.Module())
+        module = getattr(module, part)
+    if parameter:
+        module.register_parameter(leaf, nn.Parameter(tensor))
+    else:
+        module.register_buffer(leaf, tensor)
+
+
+class GeneratedModule(nn.Module):
+    """Creates the tables' tensors on `device`; off the meta device, initialises them from the spec."""
+
+    SPEC_JSON: str
+    PARAMETERS: tuple = ()
+    BUFFERS: tuple = ()
+    PACKED: dict = {}
+    DEFAULT_DEVICE: str = "cpu"
+
+    def __init__(self, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        device = torch.device(device or self.DEFAULT_DEVICE)
+        self.spec = Spec.model_validate_json(self.SPEC_JSON)
+        for name, shape, _ in self.PARAMETERS:
+            _put(self, name, torch.empty(shape, dtype=dtype, device=device), True)
+        for name, shape, dt in self.BUFFERS:
+            _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False)
+        if device.type != "meta":
+            self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Seeded, documented init (k3compile.ir.init); packed MX buffers quantise their weight's init."""
+        for name, p in self.named_parameters():
+            p.copy_(initial_value(name, tuple(p.shape), self.spec))
+        buffers = dict(self.named_buffers())
+        for weight, pack in self.PACKED.items():
+            from k3compile.ops.mx import mx_quantize
+
+            data, scale = mx_quantize(initial_value(weight, tuple(pack["shape"]), self.spec), pack["fmt"], pack["block"])
+            buffers[pack["data"]].copy_(data.view(buffers[pack["data"]].dtype))
+            buffers[pack["scale"]].copy_(scale)
+
+    def graph(self, tokens: Tensor) -> Tensor:  # replaced by the generated method
+        raise NotImplementedError
+
+
+class TrainingModule(GeneratedModule):
+    def forward(self, tokens: Tensor, labels: Tensor | None = None) -> Tensor:
+        """Logits [B, T, V]; with labels (aligned with tokens, shifted here), the mean next-token loss."""
+        logits = self.graph(tokens)
+        if labels is None:
+            return logits
+        return F.cross_entropy(
+            logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten(), ignore_index=IGNORE_INDEX
+        )
+
+
+class InferenceModule(GeneratedModule):
+    def forward(self, tokens: Tensor) -> Tensor:
+        """Logits [B, T, V] of a full forward."""
+        return self.graph(tokens)

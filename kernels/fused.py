@@ -1,0 +1,18 @@
+"""References of the fused ops the fuse pass targets: each is exactly the composition it replaces."""
+
+from __future__ import annotations
+
+import torch.nn.functional as F
+from torch import Tensor
+
+from k3compile.kernels.activations import situ_glu_ref, swiglu_ref
+
+
+def linear_glu_ref(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
+    """act(x W_gate^T, x W_up^T) for kind 'situ_glu' (with its betas) or 'swiglu'."""
+    gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+    if kind == "situ_glu":
+        return situ_glu_ref(gate, up, beta1, beta2)
+    if kind == "swiglu":
+        return swiglu_ref(gate, up)
+    raise ValueError(f"linear_glu kind must be situ_glu or swiglu, got {kind!r}")

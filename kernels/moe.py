@@ -1,0 +1,104 @@
+"""PyTorch references for the MoE router and fixed-capacity dispatch/combine (Stable LatentMoE).
+
+Shapes: T tokens, E experts, K experts per token, C per-expert capacity, D feature width (the latent
+width when the experts run latent). Every shape is fixed by the input shapes and static arguments: no
+host synchronisation, no data-dependent sizes, so the ops trace, compile and run on meta.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor
+
+
+def route_ref(
+    logits_TE: Tensor, bias_E: Tensor | None, top_k: int, scoring: str, renormalize: bool, routed_scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Router: scores, top-k selection by scores + bias, weights from the unbiased scores.
+
+    Returns (weights [T, K], indices [T, K] int64, scores [T, E]), weights and scores in fp32 (float64
+    stays float64). The bias only chooses experts, it never enters the weights; weights are the chosen
+    scores, divided by their sum when `renormalize`, times `routed_scale`.
+    """
+    logits = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+    if scoring == "sigmoid":
+        scores = torch.sigmoid(logits)
+    elif scoring == "softmax":
+        scores = torch.softmax(logits, dim=-1)
+    else:
+        raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
+    choice = scores if bias_E is None else scores + bias_E.to(scores.dtype)
+    indices = torch.topk(choice, top_k, dim=-1).indices
+    weights = scores.gather(-1, indices)
+    if renormalize:
+        weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
+    return weights * routed_scale, indices, scores
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Per-expert buffer C = ceil(capacity_factor * T * K / E), at least 1, at most T.
+
+    T is the most one expert can receive (a token picks an expert at most once), so C = T is the dense,
+    drop-free mode; `capacity_factor <= 0` selects it. Works on symbolic sizes as well as ints.
+    """
+    if capacity_factor <= 0:
+        return num_tokens
+    cap = math.ceil(capacity_factor * num_tokens * top_k / num_experts)
+    return torch.sym_min(num_tokens, torch.sym_max(1, cap))
+
+
+def expert_slots(indices_TK: Tensor, num_experts: int, capacity: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Buffer slot of every (token, choice): expert * C + its position among that expert's tokens.
+
+    Positions follow token order (token-major over the flattened [T, K] choices), i.e. the position in a
+    cumsum over the one-hot assignment, computed by a stable sort instead of a [T*K, E] one-hot.
+    Choices at position >= C are dropped and get the sentinel slot E * C.
+    Returns (slots [T, K] int64, load [E] int64 counted before dropping, dropped count [] int64).
+    """
+    flat = indices_TK.reshape(-1)
+    n = flat.numel()
+    load = torch.zeros(num_experts, dtype=torch.int64, device=flat.device)
+    load = load.scatter_add(0, flat, torch.ones_like(flat))
+    start = load.cumsum(0) - load
+    order = torch.sort(flat, stable=True).indices
+    rank_sorted = torch.arange(n, device=flat.device) - start[flat[order]]
+    pos = torch.empty_like(flat).scatter(0, order, rank_sorted)
+    keep = pos < capacity
+    slots = torch.where(keep, flat * capacity + pos, num_experts * capacity)
+    dropped = (~keep).sum()
+    return slots.view_as(indices_TK), load, dropped
+
+
+def dispatch_ref(
+    x_TD: Tensor, indices_TK: Tensor, num_experts: int, capacity_factor: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Gather tokens into per-expert buffers of static capacity; unused rows are zero.
+
+    Returns (buffer [E, C, D] in x's dtype, slots [T, K] int64, load [E] int64, dropped [] int64);
+    `slots` is what `combine_ref` needs to bring expert outputs back.
+    """
+    t, d = x_TD.shape
+    k = indices_TK.shape[-1]
+    cap = expert_capacity(t, num_experts, k, capacity_factor)
+    slots, load, dropped = expert_slots(indices_TK, num_experts, cap)
+    token = torch.arange(t * k, device=x_TD.device) // k
+    # token occupying each slot; empty slots (and the drop sentinel E*C) point at a zero row at index T
+    token_of_slot = torch.full((num_experts * cap + 1,), t, dtype=torch.int64, device=x_TD.device)
+    token_of_slot = token_of_slot.scatter_reduce(0, slots.reshape(-1), token, reduce="amin")
+    x_pad = torch.cat([x_TD, x_TD.new_zeros(1, d)])
+    buffer = x_pad[token_of_slot[: num_experts * cap]].view(num_experts, cap, d)
+    return buffer, slots, load, dropped
+
+
+def combine_ref(out_ECD: Tensor, weights_TK: Tensor, slots_TK: Tensor) -> Tensor:
+    """y_t = sum_k w_tk * out[slot_tk]; dropped choices (slot E*C) contribute zero. Sums in fp32.
+
+    Returns [T, D] in out's dtype.
+    """
+    e, c, d = out_ECD.shape
+    acc = torch.promote_types(out_ECD.dtype, torch.float32)
+    flat = torch.cat([out_ECD.reshape(e * c, d), out_ECD.new_zeros(1, d)])
+    gathered = flat[slots_TK].to(acc)  # [T, K, D]
+    return torch.einsum("tk,tkd->td", weights_TK.to(acc), gathered).to(out_ECD.dtype)

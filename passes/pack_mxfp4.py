@@ -1,0 +1,128 @@
+"""pack_mxfp4: apply the quantisation policy to the weights (and matmul inputs) it selects.
+
+Inference build: each selected weight becomes packed MX data plus E8M0 scales
+(buffers `<weight>_mx` and `<weight>_scale`); a linear on it becomes `k3::mx_linear`,
+other matmuls read `k3::mx_dequantize`. Training build with QAT: the weight is
+read through `k3::mx_fake_quantize` (straight-through). In both, a matmul input
+whose policy format is MX goes through `k3::mx_fake_quantize` along its last dim,
+so the two builds compute the same numbers.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import operator
+
+import torch
+import torch.nn.functional as F
+from torch import fx
+
+import k3compile.ops.mx  # noqa: F401  (registers the k3 MX ops)
+from k3compile.analysis.formats import ELEMENT_OF_POLICY, storage_bytes
+from k3compile.ir.pass_manager import GraphPass, PassContext
+
+K3 = torch.ops.k3
+LINEARS = (F.linear, torch._C._nn.linear)
+MATMULS = (torch.matmul, operator.matmul, torch.bmm)
+TRANSPOSES = ("transpose", "t", "mT")
+
+
+def _rule(ctx: PassContext, module: str):
+    for rule in ctx.spec.quantization.rules:
+        if fnmatch.fnmatchcase(module, rule.match):
+            return rule
+    return None
+
+
+def _formats(ctx: PassContext, weight: str) -> tuple[str, str]:
+    """(weight format, activation format) of a matmul weight under the policy."""
+    q = ctx.spec.quantization
+    rule = _rule(ctx, weight.removesuffix(".weight"))
+    return (rule.weight, rule.activation) if rule else (q.default_weight, q.default_activation)
+
+
+def _weight_consumers(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
+    """(matmul-like node, the value it reads the weight through) for every use of a weight node."""
+    out = []
+    for user in node.users:
+        if user.op == "call_function" and user.target in LINEARS and user.args[1] is node:
+            out.append((user, node))
+        elif (user.op == "call_method" and user.target in TRANSPOSES) or (
+            user.op == "call_function" and user.target in (torch.transpose,)
+        ):
+            for mm in user.users:
+                if mm.op == "call_function" and mm.target in MATMULS and mm.args[1] is user:
+                    out.append((mm, user))
+    return out
+
+
+def _quantize_activation(gm: fx.GraphModule, mm: fx.Node, fmt: str, block: int) -> None:
+    x = mm.args[0]
+    with gm.graph.inserting_before(mm):
+        q = gm.graph.call_function(K3.mx_fake_quantize.default, (x, ELEMENT_OF_POLICY[fmt], block))
+    mm.replace_input_with(x, q)
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
+    block = ctx.spec.quantization.block_size
+    infer = ctx.mode == "infer"
+    stats = {"weights_packed": 0, "weights_fake_quantized": 0, "activations_quantized": 0, "bytes_saved": 0}
+    packed = dict(gm.meta.get("packed", {}))
+    params = dict(gm.named_parameters())
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr" or node.target not in params:
+            continue
+        wfmt, afmt = _formats(ctx, node.target)
+        consumers = _weight_consumers(node)
+        if not consumers or wfmt not in ELEMENT_OF_POLICY and afmt not in ELEMENT_OF_POLICY:
+            continue
+        for mm, _ in consumers:
+            if afmt in ELEMENT_OF_POLICY and (infer or ctx.spec.quantization.qat):
+                _quantize_activation(gm, mm, afmt, block)
+                stats["activations_quantized"] += 1
+        if wfmt not in ELEMENT_OF_POLICY:
+            continue
+        element = ELEMENT_OF_POLICY[wfmt]
+        w = params[node.target]
+        if not infer:
+            if ctx.spec.quantization.qat:
+                with gm.graph.inserting_after(node):
+                    fq = gm.graph.call_function(K3.mx_fake_quantize.default, (node, element, block))
+                node.replace_all_uses_with(fq, delete_user_cb=lambda u: u is not fq)
+                stats["weights_fake_quantized"] += 1
+            continue
+        data, scale = K3.mx_quantize.default(w.detach(), element, block)
+        data_name, scale_name = f"{node.target}_mx", f"{node.target}_scale"
+        owner, _, leaf = node.target.rpartition(".")
+        holder = gm.get_submodule(owner)
+        holder.register_buffer(f"{leaf}_mx", data.view(torch.uint8) if data.dtype != torch.uint8 else data)
+        holder.register_buffer(f"{leaf}_scale", scale)
+        with gm.graph.inserting_after(node):
+            d = gm.graph.get_attr(data_name)
+            s = gm.graph.get_attr(scale_name)
+        for mm, via in consumers:
+            if mm.target in LINEARS:
+                with gm.graph.inserting_before(mm):
+                    new = gm.graph.call_function(K3.mx_linear.default, (mm.args[0], d, s, element, block, None))
+                mm.replace_all_uses_with(new)
+                gm.graph.erase_node(mm)
+        if node.users:  # matmuls that read the weight itself (stacked experts) get the dequantised tensor
+            with gm.graph.inserting_after(s):
+                deq = gm.graph.call_function(K3.mx_dequantize.default, (d, s, element, block, w.dtype))
+            node.replace_all_uses_with(deq)
+        gm.graph.erase_node(node)
+        delattr(holder, leaf)
+        packed[node.target] = {"data": data_name, "scale": scale_name, "fmt": element, "block": block, "shape": list(w.shape)}
+        stats["weights_packed"] += 1
+        stats["bytes_saved"] += storage_bytes(w.numel(), "bf16") - storage_bytes(w.numel(), wfmt, block)
+    gm.meta["packed"] = packed
+    return stats
+
+
+PASS = GraphPass(
+    name="pack_mxfp4",
+    summary="pack policy-selected weights as MX data + E8M0 scales (infer) or fake-quantise them (QAT train)",
+    preserves_numerics=False,
+    statistics=("weights_packed", "weights_fake_quantized", "activations_quantized", "bytes_saved"),
+    run=run,
+)
