@@ -245,17 +245,23 @@ def kda_chunk_ref(
     return o.to(v_BTHV.dtype), S
 
 
+def gate_dtype(f: Tensor) -> torch.dtype:
+    """The decay gate is fp32 whatever the activations are (float64 stays float64 for gradchecks)."""
+    return torch.promote_types(f.dtype, torch.float32)
+
+
 def kda_gate_ref(
     f_BTHK: Tensor, A_log_H: Tensor, dt_bias_P: Tensor, form: str, lower_bound: float
 ) -> Tensor:
-    """Log decay g (fp32, <= 0) from the gate projection f, in one of the two published forms.
+    """Log decay g (<= 0, fp32; float64 for float64 f) from the gate projection f, in one of two forms.
 
     lower_bounded_sigmoid (K3): g = lower_bound * sigmoid(exp(A_log_h) * (f + dt_bias))
     softplus (Kimi Linear):     g = -exp(A_log_h) * softplus(f + dt_bias)     (lower_bound unused)
     """
     H, K = f_BTHK.shape[-2:]
-    x = f_BTHK.float() + dt_bias_P.float().view(H, K)
-    a = torch.exp(A_log_H.float())[:, None]
+    dtype = gate_dtype(f_BTHK)
+    x = f_BTHK.to(dtype) + dt_bias_P.to(dtype).view(H, K)
+    a = torch.exp(A_log_H.to(dtype))[:, None]
     if form == "lower_bounded_sigmoid":
         return lower_bound * torch.sigmoid(a * x)
     if form == "softplus":

@@ -74,7 +74,7 @@ def _attention(gm: fx.GraphModule, mixes: list[fx.Node], ctx: PassContext) -> di
             module = AttnRes(spec.hidden_size, spec.norm_eps)
         path = site_path(site, spec.num_layers)
         init_parameters(module, spec, path)
-        inline_module(gm, node, module, path, [stack])
+        inline_module(gm, node, module, path, stack)
     return {"sites": len(mixes), "adds": adds, "attn_res_modules": len(mixes)}
 
 

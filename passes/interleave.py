@@ -61,7 +61,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
             mixer = make_mixer(ctx.spec, layer)
         path = f"layers.{layer}.attn"
         init_parameters(mixer, ctx.spec, path)
-        inline_module(gm, node, mixer, path, [x])
+        kwargs = {"mode": "chunk"} if ctx.spec.mixers[layer] == MIXER_KDA else {}
+        inline_module(gm, node, mixer, path, x, **kwargs)
         counts["kda_layers" if ctx.spec.mixers[layer] == MIXER_KDA else "mla_layers"] += 1
     counts["nodes_added"] = len(gm.graph.nodes) - before
     return counts

@@ -97,17 +97,17 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
         holder = gm.get_submodule(owner)
         holder.register_buffer(f"{leaf}_mx", data.view(torch.uint8) if data.dtype != torch.uint8 else data)
         holder.register_buffer(f"{leaf}_scale", scale)
-        with gm.graph.inserting_after(node):
+        with gm.graph.inserting_before(node):
             d = gm.graph.get_attr(data_name)
             s = gm.graph.get_attr(scale_name)
-        for mm, via in consumers:
+        for mm, _ in consumers:
             if mm.target in LINEARS:
                 with gm.graph.inserting_before(mm):
                     new = gm.graph.call_function(K3.mx_linear.default, (mm.args[0], d, s, element, block, None))
                 mm.replace_all_uses_with(new)
                 gm.graph.erase_node(mm)
         if node.users:  # matmuls that read the weight itself (stacked experts) get the dequantised tensor
-            with gm.graph.inserting_after(s):
+            with gm.graph.inserting_before(node):
                 deq = gm.graph.call_function(K3.mx_dequantize.default, (d, s, element, block, w.dtype))
             node.replace_all_uses_with(deq)
         gm.graph.erase_node(node)

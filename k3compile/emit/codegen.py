@@ -35,6 +35,8 @@ def _imports(globals_: dict) -> list[str]:
             lines.append("NoneType = type(None)")
         elif name == "device":
             lines.append("from torch import device")
+        elif getattr(obj, "__module__", None) == "builtins" and name == getattr(obj, "__name__", None):
+            continue
         elif isinstance(obj, types.ModuleType):
             lines.append(f"import {obj.__name__}" + ("" if obj.__name__ == name else f" as {name}"))
         elif callable(obj) and getattr(obj, "__module__", None) and getattr(obj, "__qualname__", None):

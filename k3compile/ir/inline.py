@@ -6,14 +6,15 @@ from torch import Tensor, fx, nn
 
 
 class _FirstOutput(nn.Module):
-    """Calls the wrapped module and keeps its first output (mixers return (y, state))."""
+    """Calls the wrapped module with fixed keyword arguments and keeps its first output (mixers return (y, state))."""
 
-    def __init__(self, m: nn.Module):
+    def __init__(self, m: nn.Module, kwargs: dict):
         super().__init__()
         self.m = m
+        self.kwargs = kwargs
 
-    def forward(self, *xs: Tensor) -> Tensor:
-        out = self.m(*xs)
+    def forward(self, x: Tensor) -> Tensor:
+        out = self.m(x, **self.kwargs)
         return out[0] if isinstance(out, tuple) else out
 
 
@@ -28,16 +29,16 @@ def attach(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
     parent.add_module(leaf, module)
 
 
-def inline_module(gm: fx.GraphModule, node: fx.Node, module: nn.Module, path: str, args: list) -> fx.Node:
-    """Replace `node` by the ops of `module(*args)`; the module's parameters live at `path`."""
+def inline_module(
+    gm: fx.GraphModule, node: fx.Node, module: nn.Module, path: str, x: fx.Node, **kwargs
+) -> fx.Node:
+    """Replace `node` by the ops of `module(x, **kwargs)`; the module's parameters live at `path`."""
     from k3compile.ir.lower import FlatTracer  # lower imports the modules; keep this file light
 
-    sub = FlatTracer().trace(_FirstOutput(module))
+    sub = FlatTracer().trace(_FirstOutput(module, kwargs))
     attach(gm, path, module)
-    placeholders = [n for n in sub.nodes if n.op == "placeholder"]
-    if len(placeholders) != len(args):
-        raise ValueError(f"{type(module).__name__} takes {len(placeholders)} inputs, got {len(args)}")
-    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, args))
+    (placeholder,) = [n for n in sub.nodes if n.op == "placeholder"]
+    val_map: dict[fx.Node, fx.Node] = {placeholder: x}
     with gm.graph.inserting_before(node):
         out = gm.graph.graph_copy(sub, val_map)
     for old, new in val_map.items():

@@ -102,7 +102,7 @@ class Skeleton(nn.Module):
             self.lm_head = nn.Linear(d, spec.vocab_size, bias=False)
         self.tied = spec.tie_embeddings
 
-    def forward(self, tokens: Tensor) -> Tensor:
+    def forward(self, tokens):  # unannotated: the emitted code needs no typing imports
         outputs = [F.embedding(tokens, self.embed.weight)]
         for i, layer in enumerate(self.layers):
             h = DEPTH_MIX(list(outputs), 2 * i)

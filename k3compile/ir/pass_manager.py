@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import fx
 
-from k3compile.ir.verify import GraphVerificationError, format_graph, verify_graph
+from k3compile.ir.verify import GraphVerificationError, eliminate_dead_code, format_graph, verify_graph
 from k3compile.spec.schema import Spec
 
 
@@ -120,7 +120,7 @@ class PassManager:
                 self.on_pass(p.name)
             try:
                 stats = p.run(gm, ctx) or {}
-                gm.graph.eliminate_dead_code()
+                eliminate_dead_code(gm)
                 gm.recompile()
                 verify_graph(gm, example_inputs)
             except NumericsMismatch:
@@ -140,7 +140,7 @@ class PassManager:
         before = small(*inputs)
         snapshot = copy.deepcopy(small)
         p.run(small, ctx)
-        small.graph.eliminate_dead_code()
+        eliminate_dead_code(small)
         small.recompile()
         if not p.preserves_numerics:
             return None

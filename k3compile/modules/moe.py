@@ -4,14 +4,17 @@
 
 Without a latent size the routed experts run at full width and there is no W_down, norm or W_up.
 
-Routing statistics are kept as buffers of `router`, updated in place inside forward (plain tensor
-ops, so fx tracing, torch.compile(fullgraph=True) and meta all see them as ordinary buffer mutations):
-`router.load` (assignments per expert before dropping, int64), `router.dropped` (choices over capacity,
-int64), both accumulated until `update_balance()`; `router.aux_loss` holds the last auxiliary loss
-(detached) when balancing is "aux_loss", whose gradient reaches training through `attach_aux_loss`.
+Routing statistics are non-persistent buffers of `router`, updated in place by forward in training
+mode only (plain tensor ops, so fx tracing, torch.compile(fullgraph=True) and meta all see ordinary
+buffer mutations; an eval forward, for validation or decoding, mutates nothing):
+`router.load` (assignments per expert before dropping, int64) and `router.dropped` (choices over
+capacity, int64), accumulated until `update_balance()`; `router.qb_bias` (exact QB: the bias derived
+from the last batch) or `router.qb_counts` (histogram QB: margin counts, accumulated); `router.aux_loss`
+(the last auxiliary loss, detached) when balancing is "aux_loss", whose gradient reaches training
+through `attach_aux_loss` on the routing weights, so forward returns only y.
 The trainer calls `update_balance()` once per optimizer step (after all-reducing `router.load` or
 `router.qb_counts` across data-parallel ranks if it wants global statistics): the new selection bias
-then applies from the next step, never to the batch it was measured on.
+then applies from the next step, never to the batch it was measured on, and is frozen at inference.
 """
 
 from __future__ import annotations
@@ -125,7 +128,7 @@ class Router(nn.Module):
 
         quantile: bias from the last training batch (exact) or from the accumulated histogram;
         bias_sign: one sign step on the accumulated load; aux_loss, none: the bias is untouched.
-        Without any forward since the last call the bias is left as it is.
+        Without a training forward since the last call the bias is left as it is.
         """
         stats = {"load": self.load.clone(), "dropped": self.dropped.clone()}
         seen = self.load.sum() > 0
@@ -204,8 +207,8 @@ class LatentMoE(nn.Module):
         latent_size: int | None = None,
         latent_norm: bool = True,
         activation: str = "situ_glu",
-        beta1: float = 4.0,
-        beta2: float = 25.0,
+        beta1: float | None = 4.0,
+        beta2: float | None = 25.0,
         scoring: str = "sigmoid",
         routed_scaling: float = 1.0,
         renormalize: bool = True,
@@ -243,8 +246,9 @@ class LatentMoE(nn.Module):
         weights, indices = self.router(x_TD)
         h = self.latent_down(x_TD) if self.latent_down is not None else x_TD
         buffer, slots, load, dropped = moe_dispatch(h, indices, self.num_experts, self.capacity_factor)
-        self.router.load.add_(load)
-        self.router.dropped.add_(dropped)
+        if self.training:
+            self.router.load.add_(load)
+            self.router.dropped.add_(dropped)
         u = moe_combine(self.experts(buffer), weights, slots)
         if self.latent_norm is not None:
             u = self.latent_norm(u)

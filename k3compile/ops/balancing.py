@@ -36,10 +36,30 @@ def sign_balance_update_op(load: Tensor, bias: Tensor, rate: float) -> Tensor:
 @k3_op(
     "moe_aux_loss",
     fake=lambda scores, indices: scores.new_empty((), dtype=torch.promote_types(scores.dtype, torch.float32)),
-    differentiable=("scores",),
 )
 def moe_aux_loss_op(scores: Tensor, indices: Tensor) -> Tensor:
     return ref.aux_balance_loss(scores, indices)
+
+
+def _aux_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _aux_backward(ctx, grad):
+    # Closed form, plain aten ops: with the aux loss attached, AOT autograd may move this backward into
+    # the forward graph (its cotangent is a constant), where the generic torch.func.vjp recompute fails.
+    scores, indices = ctx.saved_tensors
+    s = scores.to(torch.promote_types(scores.dtype, torch.float32))
+    t, e = s.shape
+    flat = indices.reshape(-1)
+    ones = torch.ones(flat.shape, dtype=s.dtype, device=s.device)
+    f_E = torch.zeros(e, dtype=s.dtype, device=s.device).scatter_add(0, flat, ones) / flat.numel()
+    total_T1 = s.sum(-1, keepdim=True)
+    d = (f_E / total_T1 - (s @ f_E)[:, None] / total_T1.square()) * (e / t)
+    return (grad * d).to(scores.dtype), None
+
+
+moe_aux_loss_op.register_autograd(_aux_backward, setup_context=_aux_setup)
 
 
 @k3_op("attach_aux_loss", fake=lambda x, loss, coef: torch.empty_like(x))

@@ -70,7 +70,7 @@ def kda_decode_step_op(
 
 @k3_op(
     "kda_gate",
-    fake=lambda f, A_log, dt_bias, form, lower_bound: torch.empty_like(f, dtype=torch.float32),
+    fake=lambda f, A_log, dt_bias, form, lower_bound: torch.empty_like(f, dtype=ref.gate_dtype(f)),
     differentiable=("f", "A_log", "dt_bias"),
 )
 def kda_gate_op(f: Tensor, A_log: Tensor, dt_bias: Tensor, form: str, lower_bound: float) -> Tensor:

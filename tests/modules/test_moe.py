@@ -44,8 +44,14 @@ def test_weight_inventory():
     assert set(m.state_dict()) == set(_shapes(m)) | {"router.bias"}  # statistics are not checkpointed
 
 
+def _situ_mlp(gate_w, up_w, down_w, h):
+    g, v = gate_w @ h, up_w @ h
+    return down_w @ (4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(v / 25))
+
+
 def _reference(m, x):
     """Token by token: biased top-k choice, unbiased renormalised weights, experts at latent width."""
+    ex, sh = m.experts, m.shared_experts
     out = []
     for xt in x.reshape(-1, D):
         s = torch.sigmoid(m.router.weight @ xt)
@@ -54,12 +60,9 @@ def _reference(m, x):
         h = m.latent_down.weight @ xt
         u = torch.zeros(WL, dtype=x.dtype)
         for pi, e in zip(p, chosen):
-            g, v = m.experts.gate_proj.weight[e] @ h, m.experts.up_proj.weight[e] @ h
-            u += pi * (m.experts.down_proj.weight[e] @ (4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(v / 25)))
+            u += pi * _situ_mlp(ex.gate_proj.weight[e], ex.up_proj.weight[e], ex.down_proj.weight[e], h)
         u = u / torch.sqrt(u.pow(2).mean() + 1e-5) * m.latent_norm.weight
-        sh = m.shared_experts
-        g, v = sh.gate_proj.weight @ xt, sh.up_proj.weight @ xt
-        shared = sh.down_proj.weight @ (4 * torch.tanh(g / 4) * torch.sigmoid(g) * 25 * torch.tanh(v / 25))
+        shared = _situ_mlp(sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight, xt)
         out.append(m.latent_up.weight @ u + shared)
     return torch.stack(out).view_as(x)
 
@@ -72,6 +75,7 @@ def test_forward_matches_per_token_reference_dense():
         m.latent_norm.weight.copy_(torch.rand(WL) + 0.5)
     x = torch.randn(3, 4, D, dtype=torch.float64)
     torch.testing.assert_close(m(x), _reference(m, x))
+    torch.testing.assert_close(m.train()(x), _reference(m, x))
     assert m.router.dropped.item() == 0 and m.router.load.sum().item() == 12 * K
 
 
@@ -82,18 +86,17 @@ def test_no_latent_experts_run_at_full_width():
     s = torch.sigmoid(x @ m.router.weight.T)
     idx = torch.topk(s, K).indices
     p = s.gather(-1, idx) / s.gather(-1, idx).sum(-1, keepdim=True)
-    e = m.experts
-    expected = torch.stack([
-        sum(p[t, j] * (torch.nn.functional.silu(e.gate_proj.weight[i] @ x[t]) * (e.up_proj.weight[i] @ x[t])) @ e.down_proj.weight[i].T
-            for j, i in enumerate(idx[t].tolist()))
-        for t in range(5)
-    ])  # fmt: skip
+    gate, up, down = m.experts.gate_proj.weight, m.experts.up_proj.weight, m.experts.down_proj.weight
+    expected = torch.zeros(5, D)
+    for t in range(5):
+        for j, e in enumerate(idx[t].tolist()):
+            expected[t] += p[t, j] * (down[e] @ (torch.nn.functional.silu(gate[e] @ x[t]) * (up[e] @ x[t])))
     torch.testing.assert_close(m(x), expected)
 
 
 def test_capacity_drops_and_counts():
     torch.manual_seed(2)
-    m = _moe(capacity_factor=0.5)
+    m = _moe(capacity_factor=0.5).train()
     with torch.no_grad():
         m.router.weight.zero_()
     m.router.bias.copy_(torch.arange(N, dtype=torch.float32))  # all tokens pick experts 5 and 4
@@ -134,12 +137,12 @@ def test_histogram_balancing_accumulates_over_forwards():
 
 def test_sign_balancing_and_none():
     torch.manual_seed(5)
-    m = _moe(balancing="bias_sign", bias_update_rate=0.01)
+    m = _moe(balancing="bias_sign", bias_update_rate=0.01).train()
     m(torch.randn(30, D))
     load = m.router.load.float()
     m.update_balance()
     torch.testing.assert_close(m.router.bias, 0.01 * torch.sign(load.mean() - load))
-    m = _moe(balancing="none")
+    m = _moe(balancing="none").train()
     m(torch.randn(30, D))
     m.update_balance()
     assert m.router.bias.abs().max() == 0
@@ -165,10 +168,17 @@ def test_aux_loss_gradient_reaches_the_router():
     torch.testing.assert_close(m.router.aux_loss, aux.detach())
 
 
-def test_eval_records_load_but_no_balancing_statistics():
+def test_eval_records_nothing_and_leaves_the_bias():
     m = _moe(histogram_bins=8).eval()
     m(torch.randn(9, D))
-    assert m.router.load.sum().item() == 9 * K and m.router.qb_counts.sum().item() == 0
+    assert m.router.load.sum().item() == 0 and m.router.qb_counts.sum().item() == 0
+    m = _moe().train()
+    m(torch.randn(9, D))
+    m.update_balance()
+    bias = m.router.bias.clone()
+    m.eval()(torch.randn(9, D))
+    m.update_balance()
+    assert torch.equal(m.router.bias, bias)
 
 
 def test_bf16_keeps_the_selection_bias_fp32():

@@ -51,7 +51,8 @@ def test_histogram_counts_and_all_reduce_by_summing():
     assert counts.dtype == torch.int64 and counts.shape == (8, 50) and counts.sum(-1).tolist() == [300] * 8
     halves = qb_histogram(scores[:100], bias, 2, 50) + qb_histogram(scores[100:], bias, 2, 50)
     assert torch.equal(halves, counts)  # per-rank histograms sum to the global one
-    torch.testing.assert_close(qb_update_from_histogram(counts, bias, 2), quantile_balance_update_hist(scores, bias, 2, 50))
+    from_counts = qb_update_from_histogram(counts, bias, 2)
+    torch.testing.assert_close(from_counts, quantile_balance_update_hist(scores, bias, 2, 50))
 
 
 def test_histogram_estimate_is_close_to_exact():
@@ -59,7 +60,7 @@ def test_histogram_estimate_is_close_to_exact():
     scores = torch.sigmoid(torch.randn(8192, 16) + torch.randn(16))
     bias = torch.randn(16) * 0.1
     exact = quantile_balance_update(scores, bias, 2)
-    assert (quantile_balance_update_hist(scores, bias, 2, 1000) - exact).abs().max() < 2e-3
+    assert (quantile_balance_update_hist(scores, bias, 2, 1000) - exact).abs().max() < 1e-3
 
 
 def test_sign_update_by_hand():
@@ -106,8 +107,9 @@ def test_meta_fx_and_compile():
     k3 = [str(n.target) for n in gm.graph.nodes if n.op == "call_function" and str(n.target).startswith("k3.")]
     assert len(k3) == 6
     expected = _all_ops(scores, indices, bias, x)
-    for got in (gm(scores, indices, bias, x), torch.compile(_all_ops, fullgraph=True, backend="aot_eager")(scores, indices, bias, x)):
-        torch.testing.assert_close(got, expected)
+    compiled = torch.compile(_all_ops, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(gm(scores, indices, bias, x), expected)
+    torch.testing.assert_close(compiled(scores, indices, bias, x), expected)
 
 
 def _skewed_router_runs(n, k, updates, steps=10, tokens=65_536, dim=32, seed=0):

@@ -1,0 +1,94 @@
+"""shard_experts: split each MoE's expert computation across `parallel.ep` expert-parallel ranks.
+
+Rank r owns experts [r E/ep, (r+1) E/ep). The dispatched fixed-capacity buffer
+[E, C, w] is cut into per-rank slices, each rank's local experts run on its slice
+with its slice of the stacked weights, and the outputs are joined for the
+combine, so shapes stay static and the numbers are unchanged. A no-op at ep = 1.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+from k3compile.ir.pass_manager import GraphPass, PassContext
+
+K3 = torch.ops.k3
+
+
+def _is(node: fx.Node, target) -> bool:
+    return node.op == "call_function" and node.target is target
+
+
+def _expert_region(buffer: fx.Node, expert_out: fx.Node) -> list[fx.Node]:
+    """Nodes between the dispatched buffer and the expert outputs, in graph order."""
+    down: set[fx.Node] = set()
+    stack = [buffer]
+    while stack:
+        for u in stack.pop().users:
+            if u not in down:
+                down.add(u)
+                stack.append(u)
+    region: set[fx.Node] = set()
+    stack = [expert_out]
+    while stack:
+        n = stack.pop()
+        if n in down and n not in region:
+            region.add(n)
+            stack.extend(a for a in n.all_input_nodes)
+    return [n for n in buffer.graph.nodes if n in region]
+
+
+def _leading(node: fx.Node) -> int | None:
+    val = node.meta.get("val")
+    return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() >= 1 else None
+
+
+def _shard(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, ep: int) -> int:
+    num_experts = dispatch.args[2]
+    per_rank = num_experts // ep
+    buffer = next(u for u in dispatch.users if _is(u, operator.getitem) and u.args[1] == 0)
+    expert_out = combine.args[0]
+    region = _expert_region(buffer, expert_out)
+    inputs = {a for n in region for a in n.all_input_nodes if a not in region}
+    sliced = {a for a in inputs if a is buffer or _leading(a) == num_experts}
+    outs = []
+    for r in range(ep):
+        with gm.graph.inserting_before(combine):
+            val_map = {a: gm.graph.call_function(torch.narrow, (a, 0, r * per_rank, per_rank)) for a in sliced}
+            for n in region:
+                val_map[n] = gm.graph.node_copy(n, lambda a: val_map.get(a, a))
+            outs.append(val_map[expert_out])
+    with gm.graph.inserting_before(combine):
+        joined = gm.graph.call_function(torch.cat, (outs, 0))
+    combine.replace_input_with(expert_out, joined)
+    return len(region) * ep
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
+    ep = ctx.spec.parallel.ep
+    stats = {"moe_layers": 0, "ranks": ep, "experts_per_rank": 0, "nodes_rewritten": 0}
+    if ep == 1 or ctx.spec.moe is None:
+        return stats
+    plan = {}
+    for combine in [n for n in gm.graph.nodes if _is(n, K3.moe_combine.default)]:
+        slots = combine.args[2]
+        dispatch = slots.args[0]
+        stats["nodes_rewritten"] += _shard(gm, dispatch, combine, ep)
+        stats["moe_layers"] += 1
+        per_rank = dispatch.args[2] // ep
+        plan[dispatch.name] = {r: [r * per_rank, (r + 1) * per_rank] for r in range(ep)}
+        stats["experts_per_rank"] = per_rank
+    gm.meta["expert_parallel"] = plan
+    return stats
+
+
+PASS = GraphPass(
+    name="shard_experts",
+    summary="assign experts to expert-parallel ranks: dispatch, per-rank local experts, combine (no-op at ep=1)",
+    preserves_numerics=True,
+    statistics=("moe_layers", "ranks", "experts_per_rank", "nodes_rewritten"),
+    run=run,
+)

@@ -1,0 +1,189 @@
+"""KDA and short-conv ops: chunked == recurrent in fp32 (outputs, states, gradients), gradchecks,
+the decode step, meta / fx / compile, and a smoke run of the CPU benchmark."""
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from k3compile.kernels.kda import kda_naive
+from k3compile.kernels.short_conv import short_conv_naive
+from k3compile.ops.kda import kda, kda_decode_step, kda_gate
+from k3compile.ops.short_conv import short_conv
+
+F64 = torch.float64
+BENCH = Path(__file__).resolve().parents[2] / "bench" / "ops_cpu.py"
+
+
+def _inputs(B=2, T=9, H=2, K=16, V=16, dtype=torch.float32, seed=0, requires_grad=False):
+    """Realistic gates: g = -5 * sigmoid(.), beta = sigmoid(.), q and k L2-normalised."""
+    gen = torch.Generator().manual_seed(seed)
+    q = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    k = F.normalize(torch.randn(B, T, H, K, generator=gen, dtype=dtype), dim=-1)
+    v = torch.randn(B, T, H, V, generator=gen, dtype=dtype)
+    g = -5.0 * torch.sigmoid(torch.randn(B, T, H, K, generator=gen, dtype=dtype))
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=gen, dtype=dtype))
+    S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
+    return [t.requires_grad_(requires_grad) for t in (q, k, v, g, beta, S0)]
+
+
+def _rel_rms(a, b):
+    """||a - b|| / ||b||; exact zeros on both sides (e.g. d/dg of a decayed zero state) count as agreement."""
+    err, ref = (a.double() - b.double()).norm().item(), b.double().norm().item()
+    return err / ref if ref else err
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_chunk_matches_recurrent_fp32_values_and_grads(T, with_state):
+    *xs, S0 = _inputs(T=T, requires_grad=True)
+    init = S0 if with_state else None
+    leaves = xs + ([S0] if with_state else [])
+    results = []
+    for mode in ("chunk", "recurrent"):
+        o, S = kda(*xs, initial_state=init, output_final_state=True, mode=mode)
+        # A loss that weights every output and state entry differently, so every gradient path is exercised.
+        loss = (o * torch.cos(o.detach() * 3)).sum() + (S * torch.sin(S.detach())).sum()
+        results.append([o, S, *torch.autograd.grad(loss, leaves)])
+    for got, want in zip(*results):
+        assert _rel_rms(got, want) < 1e-5
+
+
+def test_recurrent_matches_naive_fp32():
+    *xs, S0 = _inputs(T=40)
+    o, S = kda(*xs, initial_state=S0, output_final_state=True, mode="recurrent")
+    o_n, S_n = kda_naive(*(t.double() for t in xs), None, S0.double())
+    assert _rel_rms(o, o_n) < 1e-6 and _rel_rms(S, S_n) < 1e-6
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+def test_gradcheck_float64(mode):
+    inputs = _inputs(B=1, T=5, H=1, K=4, V=3, dtype=F64, requires_grad=True)
+
+    def f(q, k, v, g, beta, S0):
+        return kda(q, k, v, g, beta, scale=0.7, initial_state=S0, output_final_state=True, mode=mode, chunk_size=4)
+
+    assert torch.autograd.gradcheck(f, inputs)
+
+
+def test_gradcheck_float64_chunk_levels():
+    # chunk_size 16 exercises the 8x8 diagonal blocks and one halving level.
+    inputs = _inputs(B=1, T=10, H=1, K=2, V=2, dtype=F64, seed=5, requires_grad=True)
+    f = lambda *a: kda(*a[:5], initial_state=a[5], chunk_size=16)[0]  # noqa: E731
+    assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
+
+
+def test_gradcheck_float64_decode_gate_conv():
+    q, k, v, g, beta, S0 = _inputs(B=1, T=1, H=2, K=3, V=2, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(
+        lambda *a: kda_decode_step(*a, scale=0.5), (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S0)
+    )
+    gen = torch.Generator().manual_seed(0)
+    f = torch.randn(1, 2, 2, 3, generator=gen, dtype=F64, requires_grad=True)
+    A = torch.randn(2, generator=gen, dtype=F64, requires_grad=True)
+    dt = torch.randn(6, generator=gen, dtype=F64, requires_grad=True)
+    for form in ("lower_bounded_sigmoid", "softplus"):
+        assert torch.autograd.gradcheck(lambda f, A, dt: kda_gate(f, A, dt, form, -5.0), (f, A, dt))
+    x = torch.randn(1, 3, 2, generator=gen, dtype=F64, requires_grad=True)
+    w = torch.randn(2, 3, generator=gen, dtype=F64, requires_grad=True)
+    s = torch.randn(1, 2, 2, generator=gen, dtype=F64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda x, w, s: short_conv(x, w, s, True), (x, w, s))
+
+
+def test_decode_steps_equal_recurrent_and_chunk():
+    *xs, S0 = _inputs(T=6)
+    o_seq, S_seq = kda(*xs, initial_state=S0, output_final_state=True, chunk_size=4)
+    S, outs = S0, []
+    for t in range(6):
+        o, S = kda_decode_step(*(x[:, t] for x in xs), S)
+        outs.append(o)
+    assert _rel_rms(torch.stack(outs, 1), o_seq) < 1e-5 and _rel_rms(S, S_seq) < 1e-5
+    assert S.dtype == torch.float32
+
+
+def test_wrapper_contract():
+    *xs, _ = _inputs(T=3)
+    o, S = kda(*xs)
+    assert S is None and o.shape == (2, 3, 2, 16) and o.is_contiguous()
+    torch.testing.assert_close(kda(*xs, scale=16**-0.5)[0], o)
+    with pytest.raises(ValueError, match="mode"):
+        kda(*xs, mode="parallel")
+    with pytest.raises(ValueError, match="decay form"):
+        kda_gate(xs[3], torch.zeros(2), torch.zeros(32), "relu")
+
+
+def test_bf16_inputs():
+    *xs, S0 = _inputs(T=33, dtype=torch.bfloat16)
+    o, S = kda(*xs, initial_state=S0.float(), output_final_state=True)
+    assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
+    o32, S32 = kda(*(x.float() for x in xs), initial_state=S0.float(), output_final_state=True)
+    assert _rel_rms(o, o32) < 1e-2 and _rel_rms(S, S32) < 1e-5
+
+
+def test_short_conv_op_matches_loop_and_state():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(2, 5, 6, generator=gen), torch.randn(6, 4, generator=gen)
+    s0 = torch.randn(2, 6, 3, generator=gen)
+    y, s = short_conv(x, w, s0, output_final_state=True)
+    y_n, s_n = short_conv_naive(x, w, s0)
+    torch.testing.assert_close(y, y_n)
+    torch.testing.assert_close(s, s_n)
+    assert short_conv(x, w)[1] is None
+    assert short_conv(x.bfloat16(), w.bfloat16())[0].dtype == torch.bfloat16
+
+
+def test_meta_shapes():
+    m = dict(device="meta")
+    q, k, g = (torch.empty(2, 70, 4, 8, **m, dtype=torch.bfloat16) for _ in range(3))
+    v, beta = torch.empty(2, 70, 4, 6, **m, dtype=torch.bfloat16), torch.empty(2, 70, 4, **m)
+    for mode in ("chunk", "recurrent"):
+        o, S = kda(q, k, v, g, beta, output_final_state=True, mode=mode)
+        assert o.shape == (2, 70, 4, 6) and o.dtype == torch.bfloat16
+        assert S.shape == (2, 4, 8, 6) and S.dtype == torch.float32 and S.device.type == "meta"
+    o, S = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], torch.empty(2, 4, 8, 6, **m))
+    assert o.shape == (2, 4, 6) and S.shape == (2, 4, 8, 6)
+    gate = kda_gate(g, torch.empty(4, **m), torch.empty(32, **m), "softplus")
+    assert gate.shape == g.shape and gate.dtype == torch.float32
+    y, s = short_conv(torch.empty(2, 70, 32, **m), torch.empty(32, 4, **m), output_final_state=True)
+    assert y.shape == (2, 70, 32) and s.shape == (2, 32, 3)
+
+
+def _all_ops(q, k, v, f, beta, x, w):
+    g = kda_gate(f, torch.zeros(2), torch.zeros(32), "lower_bounded_sigmoid", -5.0)
+    o1, S = kda(q, k, v, g, beta, output_final_state=True, chunk_size=8)
+    o2, _ = kda(q, k, v, g, beta, mode="recurrent")
+    o3, _ = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], S)
+    y, _ = short_conv(x, w)
+    return o1.sum() + o2.sum() + o3.sum() + y.sum()
+
+
+def _traced_inputs():
+    q, k, v, g, beta, _ = _inputs(B=1, T=5, H=2, K=16, V=4)
+    gen = torch.Generator().manual_seed(1)
+    return q, k, v, g, beta, torch.randn(1, 5, 6, generator=gen), torch.randn(6, 3, generator=gen)
+
+
+def test_symbolic_trace_and_compile():
+    args = _traced_inputs()
+    gm = torch.fx.symbolic_trace(_all_ops)
+    targets = {n.target for n in gm.graph.nodes if n.op == "call_function"}
+    for name in ("kda_chunk", "kda_recurrent", "kda_decode_step", "kda_gate", "short_conv"):
+        assert getattr(torch.ops.k3, name).default in targets
+    torch.testing.assert_close(gm(*args), _all_ops(*args))
+    q = args[0].clone().requires_grad_()
+    out = torch.compile(_all_ops, fullgraph=True, backend="aot_eager")(q, *args[1:])
+    torch.testing.assert_close(out, _all_ops(*args))
+    out.backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()
+
+
+def test_bench_smoke(capsys):
+    spec = importlib.util.spec_from_file_location("ops_cpu_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    assert bench.kda_flops(1, 4096, 8, 64, 64) == 8 * (6 * 4096 * 64**2 + 3 * 4096 * 64 * 64 + 4096 * 64**2)
+    assert bench.main(["--tiny"]) == 0
+    out = capsys.readouterr().out
+    assert "kda chunk fwd" in out and "kda recurrent fwd" in out and "matmul" in out
