@@ -6,6 +6,7 @@ meta device, so a 2.8T-parameter model builds in seconds with no weight memory.
 
 from __future__ import annotations
 
+import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -58,13 +59,12 @@ def lowering_device(spec: Spec, options: BuildOptions) -> str:
     return "cpu" if param_counts(spec)["total"] <= REAL_WEIGHTS_MAX_PARAMS else "meta"
 
 
-def compile_graph(
-    spec: Spec, mode: str, options: BuildOptions, on_pass: Callable[[str], None] | None = None
-) -> CompiledGraph:
-    """Lower `spec` and run the pipeline for one mode; the graph is verified after every pass."""
+def compile_graphs(
+    spec: Spec, modes: tuple[str, ...], options: BuildOptions, on_pass: Callable[[str], None] | None = None
+) -> dict[str, CompiledGraph]:
+    """Lower `spec` once, run the shared passes, then the mode-dependent rest per mode on a copy."""
     device = lowering_device(spec, options)
     target = options.target or spec.target
-    ctx = PassContext(spec=spec, mode=mode, target=target)
     lowered = lower(spec, device)
     numerics = None
     if options.verify_numerics:
@@ -73,17 +73,25 @@ def compile_graph(
         small = lower(spec, "cpu")
         numerics = (small.gm, small.example_inputs)
     passes = pipeline()
-    dumps: dict[str, str] = {}
-    manager = PassManager(
+    split = next((i for i, p in enumerate(passes) if p.mode_dependent), len(passes))
+    dumps: dict[str, dict[str, str]] = {m: {} for m in modes}
+    shared = PassManager(
         passes,
         disabled=options.disabled,
         dump_after=options.dump_after,
         numerics=numerics,
-        on_dump=lambda name, text: dumps.__setitem__(name, text),
+        on_dump=lambda name, text: [dumps[m].__setitem__(name, text) for m in modes],
         on_pass=on_pass,
     )
-    gm = manager.run(lowered.gm, ctx, lowered.example_inputs)
-    return CompiledGraph(mode, gm, manager.records, dumps)
+    gm = shared.run(lowered.gm, PassContext(spec, modes[0], target), lowered.example_inputs, stop=split)
+    out = {}
+    for k, mode in enumerate(modes):
+        manager = shared.fork()
+        manager.on_dump = lambda name, text, mode=mode: dumps[mode].__setitem__(name, text)
+        mode_gm = gm if k == len(modes) - 1 else copy.deepcopy(gm)
+        manager.run(mode_gm, PassContext(spec, mode, target), lowered.example_inputs, start=split)
+        out[mode] = CompiledGraph(mode, mode_gm, manager.records, dumps[mode])
+    return out
 
 
 def binding_table(gm: fx.GraphModule) -> list[dict]:
@@ -113,7 +121,7 @@ def build(
     """Compile every requested mode and write `out_dir/<spec name>/`; returns (path, manifest)."""
     modes = MODES if options.mode == "both" else (options.mode,)
     target = options.target or spec.target
-    compiled = {m: compile_graph(spec, m, options, on_pass) for m in modes}
+    compiled = compile_graphs(spec, modes, options, on_pass)
     device = lowering_device(spec, options)
     pass_names = [r.name for r in next(iter(compiled.values())).records if r.status == "ran"]
     source = model_source(

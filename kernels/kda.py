@@ -8,7 +8,7 @@ The recurrence per head (reference section 2), with S decayed first and then cor
 Three independent forms live here: `kda_naive` (the literal matrix recurrence, float64-capable, for tests),
 `kda_recurrent_ref` (token-by-token in fp32, built on the decode step `kda_step_ref`) and `kda_chunk_ref`
 (the chunkwise-parallel UT-transform form used for training and prefill). Decays and states are fp32 (bf16
-rounds a decay of 0.998 to 1.0); outputs take v's dtype.
+rounds a decay of 0.998 to 1.0; float64 inputs stay float64, for gradchecks); outputs take v's dtype.
 """
 
 from __future__ import annotations
@@ -50,8 +50,11 @@ def kda_naive(
     q, k, v, g, beta = (t.to(dtype) for t in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH))
     B, T, H, K = q.shape
     scale = K**-0.5 if scale is None else scale
-    S = torch.zeros(B, H, K, v.shape[-1], dtype=dtype) if initial_state_BHKV is None else initial_state_BHKV.to(dtype)
-    eye = torch.eye(K, dtype=dtype)
+    if initial_state_BHKV is None:
+        S = q.new_zeros(B, H, K, v.shape[-1])
+    else:
+        S = initial_state_BHKV.to(dtype)
+    eye = torch.eye(K, dtype=dtype, device=q.device)
     outs = []
     for t in range(T):
         kt, bt = k[:, t], beta[:, t, :, None, None]
@@ -136,48 +139,49 @@ _BASE = 8
 _BASE_G_FLOOR = {torch.float32: -21.0, torch.float64: -170.0}
 
 
-def _diagonal_blocks(A_NCC: Tensor, b: int) -> Tensor:
-    """Writable view of the diagonal b x b blocks of A [..., C, C], as [..., C // b, b, b]."""
-    n = A_NCC.shape[-1] // b
-    return A_NCC.unflatten(-1, (n, b)).unflatten(-3, (n, b)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
-
-
 def _intra_chunk_scores(q_NCK: Tensor, k_NCK: Tensor, g_NCK: Tensor, G_NCK: Tensor) -> tuple[Tensor, Tensor]:
     """A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, and A_kk (k in place of q) for j < i.
 
     exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) across a chunk: that overflows for strong
-    decays. Instead, by halving: the lower-left quadrant of every diagonal block of size b (64, 32, 16)
+    decays. Instead, by halving: the lower-left quadrant of every diagonal block of size b (16, 32, 64)
     factors through the first row r of its lower half, exp(G_i - G_r) * exp(G_r - G_j), both in (0, 1];
     the 8x8 diagonal blocks factor through their middle with floored per-step decays (see _BASE_G_FLOOR).
+    The reference points are detached: the products do not depend on them, so neither do the gradients.
     C must be a power of two. Leading dims are batch dims; returns two [..., C, C] matrices.
     """
     C = q_NCK.shape[-2]
     base = min(C, _BASE)
     n0 = C // base
-    A_qk = q_NCK.new_zeros(*q_NCK.shape[:-1], C)
-    A_kk = q_NCK.new_zeros(*q_NCK.shape[:-1], C)
 
     q_blk, k_blk = q_NCK.unflatten(-2, (n0, base)), k_NCK.unflatten(-2, (n0, base))
     D = g_NCK.clamp_min(_BASE_G_FLOOR[g_NCK.dtype]).unflatten(-2, (n0, base)).cumsum(-2)
-    D = D - D[..., base // 2 : base // 2 + 1, :]
+    D = D - D[..., base // 2 : base // 2 + 1, :].detach()
     k_down = (k_blk * torch.exp(-D)).transpose(-1, -2)
     up = torch.exp(D)
     tri = torch.ones(base, base, dtype=torch.bool, device=q_NCK.device).tril()
     # where, not a multiply: entries above the diagonal may overflow to inf and must not make NaNs.
-    _diagonal_blocks(A_qk, base).copy_(torch.where(tri, (q_blk * up) @ k_down, 0.0))
-    _diagonal_blocks(A_kk, base).copy_(torch.where(tri.tril(-1), (k_blk * up) @ k_down, 0.0))
+    A_qk = torch.where(tri, (q_blk * up) @ k_down, 0.0)  # [..., n0, base, base]
+    A_kk = torch.where(tri.tril(-1), (k_blk * up) @ k_down, 0.0)
 
     b = 2 * base
     while b <= C:
         nb, h = C // b, b // 2
-        G_b, q_b, k_b = (t.unflatten(-2, (nb, b)) for t in (G_NCK, q_NCK, k_NCK))
-        G_r = G_b[..., h : h + 1, :]
-        row_decay = _decay(G_b[..., h:, :] - G_r)
-        cols = (k_b[..., :h, :] * _decay(G_r - G_b[..., :h, :])).transpose(-1, -2)
-        _diagonal_blocks(A_qk, b)[..., h:, :h].copy_((q_b[..., h:, :] * row_decay) @ cols)
-        _diagonal_blocks(A_kk, b)[..., h:, :h].copy_((k_b[..., h:, :] * row_decay) @ cols)
+        G_lo, G_hi = G_NCK.unflatten(-2, (nb, b)).chunk(2, dim=-2)
+        _, q_hi = q_NCK.unflatten(-2, (nb, b)).chunk(2, dim=-2)
+        k_lo, k_hi = k_NCK.unflatten(-2, (nb, b)).chunk(2, dim=-2)
+        G_r = G_hi[..., :1, :].detach()
+        row_decay = _decay(G_hi - G_r)
+        cols = (k_lo * _decay(G_r - G_lo)).transpose(-1, -2)
+        zeros = q_NCK.new_zeros(*q_NCK.shape[:-2], nb, h, h)
+
+        def merge(A: Tensor, rows: Tensor) -> Tensor:  # [[A_0, 0], [rows @ cols, A_1]] per block of size b
+            A_0, A_1 = A.unflatten(-3, (nb, 2)).unbind(-3)
+            lower = torch.cat([(rows * row_decay) @ cols, A_1], dim=-1)
+            return torch.cat([torch.cat([A_0, zeros], dim=-1), lower], dim=-2)
+
+        A_qk, A_kk = merge(A_qk, q_hi), merge(A_kk, k_hi)
         b *= 2
-    return A_qk, A_kk
+    return A_qk.squeeze(-3), A_kk.squeeze(-3)
 
 
 def kda_chunk_ref(
@@ -190,7 +194,7 @@ def kda_chunk_ref(
     initial_state_BHKV: Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[Tensor, Tensor]:
-    """Chunkwise-parallel KDA (UT transform): (o_BTHV in v's dtype, final fp32 state).
+    """Chunkwise-parallel KDA (UT transform): (o_BTHV in v's dtype, final state in the compute dtype).
 
     Per chunk (C tokens, Gamma = exp of the in-chunk cumulative log decay G):
       X = [W | U] = (I + A_kk)^-1 Diag(beta) [Gamma*K | V]   (A_kk strictly lower, rows scaled by beta)
@@ -227,9 +231,8 @@ def kda_chunk_ref(
     X = inverse @ (beta * torch.cat([k * decay_in, v], dim=-1))
 
     k_to_end = (k * _decay(G_last - G)).transpose(-1, -2)  # (Gamma_{i->C} * K)^T, [B, H, N, K, C]
-    kX = k_to_end @ X  # [Kc^T W | Kc^T U]
-    transition = torch.diag_embed(_decay(G_last[..., 0, :])) - kX[..., :K]  # [B, H, N, K, K]
-    inject = kX[..., K:]  # [B, H, N, K, V]
+    kW, inject = (k_to_end @ X).split([K, V], dim=-1)  # Kc^T W, Kc^T U: [B, H, N, K, K], [B, H, N, K, V]
+    transition = torch.diag_embed(_decay(G_last[..., 0, :])) - kW
 
     S = _initial_state(q_BTHK, v_BTHV, initial_state_BHKV, dtype)
     starts = []
@@ -239,8 +242,8 @@ def kda_chunk_ref(
         S = torch.baddbmm(inject_n, transition_n, S.flatten(0, 1)).unflatten(0, (B, H))
     S_start = torch.stack(starts, dim=2)
 
-    AX = A_qk @ X  # O = (Gamma*Q - A_qk W) S + A_qk U
-    o = scale * ((q * decay_in - AX[..., :K]) @ S_start + AX[..., K:])
+    AW, AU = (A_qk @ X).split([K, V], dim=-1)  # O = (Gamma*Q - A_qk W) S + A_qk U
+    o = scale * ((q * decay_in - AW) @ S_start + AU)
     o = o.flatten(2, 3)[:, :, :T].permute(0, 2, 1, 3)
     return o.to(v_BTHV.dtype), S
 

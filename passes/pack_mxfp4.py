@@ -125,4 +125,5 @@ PASS = GraphPass(
     preserves_numerics=False,
     statistics=("weights_packed", "weights_fake_quantized", "activations_quantized", "bytes_saved"),
     run=run,
+    mode_dependent=True,
 )

@@ -1,9 +1,10 @@
 """shard_experts: split each MoE's expert computation across `parallel.ep` expert-parallel ranks.
 
 Rank r owns experts [r E/ep, (r+1) E/ep). The dispatched fixed-capacity buffer
-[E, C, w] is cut into per-rank slices, each rank's local experts run on its slice
-with its slice of the stacked weights, and the outputs are joined for the
-combine, so shapes stay static and the numbers are unchanged. A no-op at ep = 1.
+[E, C, w] is viewed as [ep, E/ep, C, w] (the all-to-all boundary: row r goes to
+rank r), the local experts run on it with their stacked weights viewed the same
+way, and the outputs fold back to [E, C, w] for the combine. Shapes stay static
+and the numbers are unchanged. A no-op at ep = 1.
 """
 
 from __future__ import annotations
@@ -53,18 +54,20 @@ def _shard(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, ep: int) -> 
     expert_out = combine.args[0]
     region = _expert_region(buffer, expert_out)
     inputs = {a for n in region for a in n.all_input_nodes if a not in region}
-    sliced = {a for a in inputs if a is buffer or _leading(a) == num_experts}
-    outs = []
-    for r in range(ep):
-        with gm.graph.inserting_before(combine):
-            val_map = {a: gm.graph.call_function(torch.narrow, (a, 0, r * per_rank, per_rank)) for a in sliced}
-            for n in region:
-                val_map[n] = gm.graph.node_copy(n, lambda a: val_map.get(a, a))
-            outs.append(val_map[expert_out])
+    by_rank = [a for a in inputs if a is buffer or _leading(a) == num_experts]
+    for a in by_rank:
+        users = [u for u in a.users if u in region]
+        with gm.graph.inserting_after(a):
+            ranked = gm.graph.call_function(torch.unflatten, (a, 0, (ep, per_rank)))
+        ranked.meta["expert_parallel"] = "rank-major view [ep, E/ep, ...]"
+        for u in users:
+            u.replace_input_with(a, ranked)
     with gm.graph.inserting_before(combine):
-        joined = gm.graph.call_function(torch.cat, (outs, 0))
-    combine.replace_input_with(expert_out, joined)
-    return len(region) * ep
+        folded = gm.graph.call_function(torch.flatten, (expert_out, 0, 1))
+    combine.replace_input_with(expert_out, folded)
+    for n in region:
+        n.meta["expert_parallel"] = "local experts"
+    return len(by_rank) + 1
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:

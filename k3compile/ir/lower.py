@@ -69,6 +69,8 @@ def make_ffn(spec: Spec, layer: int) -> nn.Module:
         histogram_bins=r.histogram_bins,
         capacity_factor=m.capacity_factor,
         norm_eps=spec.norm_eps,
+        bias_update_rate=r.bias_update_rate,
+        aux_loss_coef=r.aux_loss_coef,
     )
 
 

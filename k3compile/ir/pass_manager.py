@@ -39,6 +39,7 @@ class GraphPass:
     preserves_numerics: bool
     statistics: tuple[str, ...]
     run: Callable[[fx.GraphModule, PassContext], dict[str, int]]
+    mode_dependent: bool = False  # reads ctx.mode: train and infer graphs part here
 
 
 @dataclass
@@ -109,10 +110,16 @@ class PassManager:
             if name not in known:
                 raise ValueError(f"unknown pass '{name}'; passes are: {', '.join(p.name for p in self.passes)}")
 
-    def run(self, gm: fx.GraphModule, ctx: PassContext, example_inputs: tuple) -> fx.GraphModule:
+    def run(
+        self, gm: fx.GraphModule, ctx: PassContext, example_inputs: tuple, start: int = 0, stop: int | None = None
+    ) -> fx.GraphModule:
+        """Run passes[start:stop] over gm in place (verified first, then after each pass)."""
         verify_graph(gm, example_inputs)
-        self._dump(gm, 0, "lowered")
-        for i, p in enumerate(self.passes, 1):
+        if start == 0:
+            self._dump(gm, 0, "lowered")
+        stop = len(self.passes) if stop is None else stop
+        for i in range(start, stop):
+            p = self.passes[i]
             if p.name in self.disabled:
                 self.records.append(PassRecord(p.name, p.summary, p.preserves_numerics, "disabled"))
                 continue
@@ -127,13 +134,23 @@ class PassManager:
                 raise
             except Exception as e:
                 cause = f"{type(e).__name__}: {e}" if not isinstance(e, GraphVerificationError) else str(e)
-                raise PassFailure(p.name, cause.splitlines()[0], self._reproducer(ctx, i)) from e
+                raise PassFailure(p.name, cause.splitlines()[0], self._reproducer(ctx, i + 1)) from e
             record = PassRecord(p.name, p.summary, p.preserves_numerics, "ran", dict(stats))
             if self.numerics is not None:
                 record.max_rel_diff = self._check_numerics(p, ctx)
             self.records.append(record)
-            self._dump(gm, i, p.name)
+            self._dump(gm, i + 1, p.name)
         return gm
+
+    def fork(self) -> "PassManager":
+        """A manager that continues from this one's state on a copy (train and infer part after shared passes)."""
+        numerics = None
+        if self.numerics is not None:
+            numerics = (copy.deepcopy(self.numerics[0]), self.numerics[1])
+        return PassManager(
+            self.passes, self.disabled, self.dump_after, self.on_dump, self.on_pass, numerics, self.rtol,
+            self.reproducer_root, list(self.records),
+        )  # fmt: skip
 
     def _check_numerics(self, p: GraphPass, ctx: PassContext) -> float | None:
         small, inputs = self.numerics

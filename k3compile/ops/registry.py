@@ -21,16 +21,17 @@ def _as_tuple(x):
     return x if isinstance(x, tuple) else (x,)
 
 
-def _unaliased(tensors, inputs) -> list[Tensor]:
-    """Custom ops may not return one tensor twice or alias an input: clone where they would."""
+def _as_declared(grads, like, inputs) -> list[Tensor]:
+    """Gradients as the backward op's fake declares them: laid out like their input, and owning
+    their memory (custom ops may not return one tensor twice or alias an input)."""
     taken = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, Tensor)}
     out = []
-    for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if ptr in taken:
-            t = t.clone()
-        taken.add(t.untyped_storage().data_ptr())
-        out.append(t)
+    for g, ref in zip(grads, like):
+        target = torch.empty_like(ref)
+        if g.stride() != target.stride() or g.untyped_storage().data_ptr() in taken:
+            g = target.copy_(g)
+        taken.add(g.untyped_storage().data_ptr())
+        out.append(g)
     return out
 
 
@@ -79,7 +80,7 @@ def _register_backward(name: str, ref: Callable, op, differentiable: list[str]) 
         cotangents = tuple(
             (g if g.shape == o.shape else torch.zeros_like(o)).to(o.dtype) for g, o in zip(float_grads, outs)
         )
-        got = dict(zip(present, _unaliased(vjp(cotangents), list(args) + list(grads))))
+        got = dict(zip(present, _as_declared(vjp(cotangents), diff, list(args) + list(grads))))
         return [got[i] if i in got else torch.empty(0) for i in diff_idx]
 
     def bwd_fake(grads: list[Tensor], *args) -> list[Tensor]:
