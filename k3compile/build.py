@@ -29,10 +29,10 @@ MODES = ("train", "infer")
 
 
 def pipeline() -> list[GraphPass]:
-    """The passes in order (see ARCHITECTURE: interleave ▸ attn_res ▸ shard_experts ▸ pack ▸ fuse ▸ bind)."""
-    from k3compile.passes import attn_res, bind_kernels, fuse, interleave, pack_mxfp4, shard_experts
+    """The passes in order: interleave ▸ attn_res ▸ shard_experts ▸ routing ▸ pack_mxfp4 ▸ fuse ▸ bind_kernels."""
+    from k3compile.passes import attn_res, bind_kernels, fuse, interleave, pack_mxfp4, routing, shard_experts
 
-    return [m.PASS for m in (interleave, attn_res, shard_experts, pack_mxfp4, fuse, bind_kernels)]
+    return [m.PASS for m in (interleave, attn_res, shard_experts, routing, pack_mxfp4, fuse, bind_kernels)]
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,14 @@ def build(
         files[f"graphs/{m}-final.txt"] = format_graph(c.gm).encode()
         for name, text in c.dumps.items():
             files[f"graphs/{m}/{name}.txt"] = text.encode()
-    dest = write_package(Path(out_dir) / spec.name, files, {"compiler": __version__, "spec": spec.name})
+    dest = write_package(Path(out_dir) / package_name(spec), files, {"compiler": __version__, "spec": spec.name})
     return dest, manifest
+
+
+def package_name(spec: Spec) -> str:
+    """The emitted package's folder: the spec name as a Python identifier ('k3-tiny' -> 'k3_tiny')."""
+    name = "".join(c if c.isalnum() or c == "_" else "_" for c in spec.name)
+    return name if name[0].isalpha() else f"k3_{name}"
 
 
 def _init_source(spec: Spec, exports: list[str]) -> str:

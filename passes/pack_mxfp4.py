@@ -56,11 +56,16 @@ def _weight_consumers(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     return out
 
 
-def _quantize_activation(gm: fx.GraphModule, mm: fx.Node, fmt: str, block: int) -> None:
+def _quantize_activation(gm: fx.GraphModule, mm: fx.Node, fmt: str, block: int, done: dict) -> bool:
+    """Route the matmul's input through one fake-quantise per (input, format); True if a new one was made."""
     x = mm.args[0]
-    with gm.graph.inserting_before(mm):
-        q = gm.graph.call_function(K3.mx_fake_quantize.default, (x, ELEMENT_OF_POLICY[fmt], block))
-    mm.replace_input_with(x, q)
+    key = (x, fmt)
+    fresh = key not in done
+    if fresh:
+        with gm.graph.inserting_after(x):
+            done[key] = gm.graph.call_function(K3.mx_fake_quantize.default, (x, ELEMENT_OF_POLICY[fmt], block))
+    mm.replace_input_with(x, done[key])
+    return fresh
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
@@ -69,6 +74,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
     stats = {"weights_packed": 0, "weights_fake_quantized": 0, "activations_quantized": 0, "bytes_saved": 0}
     packed = dict(gm.meta.get("packed", {}))
     params = dict(gm.named_parameters())
+    quantized: dict = {}
     for node in list(gm.graph.nodes):
         if node.op != "get_attr" or node.target not in params:
             continue
@@ -78,8 +84,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
             continue
         for mm, _ in consumers:
             if afmt in ELEMENT_OF_POLICY and (infer or ctx.spec.quantization.qat):
-                _quantize_activation(gm, mm, afmt, block)
-                stats["activations_quantized"] += 1
+                stats["activations_quantized"] += _quantize_activation(gm, mm, afmt, block, quantized)
         if wfmt not in ELEMENT_OF_POLICY:
             continue
         element = ELEMENT_OF_POLICY[wfmt]

@@ -54,10 +54,19 @@ def graph_method(gm: fx.GraphModule, method: str) -> tuple[str, list[str]]:
     return body, _imports(code.globals)
 
 
+def _persistent(gm: fx.GraphModule, name: str) -> bool:
+    owner, _, leaf = name.rpartition(".")
+    return leaf not in gm.get_submodule(owner)._non_persistent_buffers_set
+
+
 def tensor_table(name: str, gm: fx.GraphModule, kind: str) -> str:
-    """A tuple literal of (name, shape, dtype) for the parameters or buffers of gm."""
-    items = gm.named_parameters() if kind == "parameters" else gm.named_buffers()
-    rows = [f"    ({n!r}, {tuple(t.shape)!r}, {str(t.dtype).removeprefix('torch.')!r})," for n, t in items]
+    """A tuple literal of (name, shape, dtype) for parameters, (name, shape, dtype, persistent) for buffers."""
+    if kind == "parameters":
+        rows = [f"    ({n!r}, {tuple(t.shape)!r}, {str(t.dtype).removeprefix('torch.')!r}),"
+                for n, t in gm.named_parameters()]  # fmt: skip
+    else:
+        rows = [f"    ({n!r}, {tuple(t.shape)!r}, {str(t.dtype).removeprefix('torch.')!r}, {_persistent(gm, n)!r}),"
+                for n, t in gm.named_buffers()]  # fmt: skip
     return f"{name} = (\n" + "\n".join(rows) + "\n)\n" if rows else f"{name} = ()\n"
 
 

@@ -134,7 +134,18 @@ def lower(spec: Spec, device: torch.device | str = "meta") -> Lowered:
     init_parameters(root, spec)
     graph = FlatTracer().trace(root)
     gm = fx.GraphModule(root, graph, class_name=_class_name(spec))
+    _keep_buffer_persistence(root, gm)
     return Lowered(gm, (example_tokens(spec, device),))
+
+
+def _keep_buffer_persistence(root: nn.Module, gm: fx.GraphModule) -> None:
+    """fx copies buffers as persistent; mark the ones the modules keep out of state_dict again."""
+    for path, module in root.named_modules():
+        for leaf in module._non_persistent_buffers_set:
+            name = f"{path}.{leaf}" if path else leaf
+            owner = gm.get_submodule(path) if path else gm
+            if hasattr(owner, leaf):
+                owner._non_persistent_buffers_set.add(leaf)
 
 
 def _class_name(spec: Spec) -> str:

@@ -154,14 +154,14 @@ class PassManager:
 
     def _check_numerics(self, p: GraphPass, ctx: PassContext) -> float | None:
         small, inputs = self.numerics
-        before = small(*inputs)
-        snapshot = copy.deepcopy(small)
-        p.run(small, ctx)
-        eliminate_dead_code(small)
-        small.recompile()
-        if not p.preserves_numerics:
+        if not p.preserves_numerics:  # the graph before may not run yet (unresolved generic ops)
+            self._run_on(small, p, ctx)
             return None
-        after = small(*inputs)
+        snapshot = copy.deepcopy(small)
+        with torch.no_grad():
+            before = small(*inputs)
+            self._run_on(small, p, ctx)
+            after = small(*inputs)
         diff = _rel_diff(after, before)
         if not diff <= self.rtol:
             self.numerics = (snapshot, inputs)
@@ -170,6 +170,12 @@ class PassManager:
                 f"(relative difference {diff:.3g} > {self.rtol:g})"
             )
         return diff
+
+    @staticmethod
+    def _run_on(gm: fx.GraphModule, p: GraphPass, ctx: PassContext) -> None:
+        p.run(gm, ctx)
+        eliminate_dead_code(gm)
+        gm.recompile()
 
     def _dump(self, gm: fx.GraphModule, index: int, name: str) -> None:
         wanted = {"all", name} & self.dump_after or (index == 0 and self.dump_after)

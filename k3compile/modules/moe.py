@@ -177,6 +177,7 @@ class RoutedExperts(nn.Module):
         if activation == "situ_glu" and (beta1 is None or beta2 is None):
             raise ValueError("situ_glu needs beta1 and beta2 (K3: 4 and 25)")
         self.activation, self.beta1, self.beta2 = activation, beta1, beta2
+        self.act_quant: tuple[str, int] | None = None  # (MX element format, block) for the matmul inputs
         if activation != "gelu":
             self.gate_proj = StackedWeight(num_experts, intermediate_size, width)
         self.up_proj = StackedWeight(num_experts, intermediate_size, width)
@@ -184,8 +185,10 @@ class RoutedExperts(nn.Module):
 
     def forward(self, buffer_ECW: Tensor) -> Tensor:
         gate = self.gate_proj.weight if self.activation != "gelu" else None
-        betas = (self.beta1, self.beta2) if self.activation == "situ_glu" else ()
-        return expert_mlp(buffer_ECW, gate, self.up_proj.weight, self.down_proj.weight, self.activation, *betas)
+        b1, b2 = (self.beta1, self.beta2) if self.activation == "situ_glu" else (0.0, 0.0)
+        return expert_mlp(
+            buffer_ECW, gate, self.up_proj.weight, self.down_proj.weight, self.activation, b1, b2, self.act_quant
+        )
 
 
 class LatentMoE(nn.Module):

@@ -7,6 +7,7 @@ from torch import Tensor
 
 from k3compile.kernels import moe as ref
 from k3compile.ops.activations import gelu, situ_glu, swiglu
+from k3compile.ops.mx import mx_fake_quantize
 from k3compile.ops.registry import k3_op
 
 ACTIVATIONS = ("situ_glu", "swiglu", "gelu")
@@ -101,13 +102,18 @@ def expert_mlp(
     activation: str = "situ_glu",
     beta1: float = 4.0,
     beta2: float = 25.0,
+    act_quant: tuple[str, int] | None = None,
 ) -> Tensor:
     """All experts at once by batched matmuls: buffer [E, C, w], gate/up [E, I, w], down [E, w, I] -> [E, C, w].
 
     Gated activations (situ_glu, swiglu) need gate_weight; gelu is ungated and takes none.
+    act_quant = (MX element format, block) fake-quantises both matmul inputs (buffer and hidden)
+    along their last dim, as the quantisation policy's activation format asks.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if act_quant is not None:
+        buffer = mx_fake_quantize(buffer, *act_quant)
     up = torch.matmul(buffer, up_weight.transpose(-1, -2))
     if activation == "gelu":
         hidden = gelu(up)
@@ -116,5 +122,7 @@ def expert_mlp(
             raise ValueError(f"{activation} needs gate_weight")
         gate = torch.matmul(buffer, gate_weight.transpose(-1, -2))
         hidden = situ_glu(gate, up, beta1, beta2) if activation == "situ_glu" else swiglu(gate, up)
+    if act_quant is not None:
+        hidden = mx_fake_quantize(hidden, *act_quant)
     return torch.matmul(hidden, down_weight.transpose(-1, -2))
 

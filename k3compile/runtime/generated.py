@@ -11,12 +11,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3compile.ir.init import initial_value
+from k3compile.runtime.decoder import DecodeCache, Decoder
 from k3compile.spec.schema import Spec
 
 IGNORE_INDEX = -100
 
 
-def _put(root: nn.Module, name: str, tensor: Tensor, parameter: bool) -> None:
+def _put(root: nn.Module, name: str, tensor: Tensor, parameter: bool, persistent: bool = True) -> None:
     *parents, leaf = name.split(".")
     module = root
     for part in parents:
@@ -26,7 +27,7 @@ def _put(root: nn.Module, name: str, tensor: Tensor, parameter: bool) -> None:
     if parameter:
         module.register_parameter(leaf, nn.Parameter(tensor))
     else:
-        module.register_buffer(leaf, tensor)
+        module.register_buffer(leaf, tensor, persistent=persistent)
 
 
 class GeneratedModule(nn.Module):
@@ -44,8 +45,9 @@ class GeneratedModule(nn.Module):
         self.spec = Spec.model_validate_json(self.SPEC_JSON)
         for name, shape, _ in self.PARAMETERS:
             _put(self, name, torch.empty(shape, dtype=dtype, device=device), True)
-        for name, shape, dt in self.BUFFERS:
-            _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False)
+        for name, shape, dt, persistent in self.BUFFERS:
+            _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False, persistent)
+        self._decoder = None
         if device.type != "meta":
             self.reset_parameters()
 
@@ -78,6 +80,46 @@ class TrainingModule(GeneratedModule):
 
 
 class InferenceModule(GeneratedModule):
+    """Full forward through the bound graph (MX-packed weights), and prefill/decode with caches.
+
+    Prefill and decode run the eager Decoder over the same weights (packed ones dequantised
+    once); it is rebuilt whenever this module's state_dict is loaded.
+    """
+
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits [B, T, V] of a full forward."""
         return self.graph(tokens)
+
+    def prefill(self, tokens: Tensor) -> tuple[Tensor, DecodeCache]:
+        """Logits [B, T, V] of the prompt and the cache to continue from (KDA chunked)."""
+        return self.decoder(tokens)
+
+    def decode(self, tokens: Tensor, cache: DecodeCache) -> tuple[Tensor, DecodeCache]:
+        """Logits of the next tokens [B, T] (usually T = 1) given the cache; returns the new cache."""
+        return self.decoder(tokens, cache)
+
+    @property
+    def decoder(self) -> Decoder:
+        if self._decoder is None:
+            self._decoder = self._build_decoder()
+        return self._decoder
+
+    def _build_decoder(self) -> Decoder:
+        from k3compile.ops.mx import mx_dequantize
+
+        device = next(iter(self.state_dict().values())).device
+        with torch.device(device):
+            decoder = Decoder(self.spec)
+        state = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        packed_buffers = {p[k] for p in self.PACKED.values() for k in ("data", "scale")}
+        state.update({k: v for k, v in self.state_dict().items() if k in buffers and k not in packed_buffers})
+        for weight, pack in self.PACKED.items():
+            data = buffers[pack["data"]]
+            state[weight] = mx_dequantize(data, buffers[pack["scale"]], pack["fmt"], pack["block"], torch.float32)
+        decoder.load_state_dict({k: v.detach() for k, v in state.items()}, strict=True)
+        return decoder.eval()
+
+    def _load_from_state_dict(self, *args, **kwargs):
+        self._decoder = None
+        return super()._load_from_state_dict(*args, **kwargs)
