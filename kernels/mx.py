@@ -19,6 +19,10 @@ Decisions where OCP leaves a choice (all tested in tests/kernels/test_mx.py):
 - The rounding is done here in float64, exact for every fp64/fp32/bf16/fp16 input (one rounding,
   never double rounding); the fp8 casts below only ever see values that are already representable.
 
+The `_ref` functions are the oracle. The `_fast` functions give the same bits for fp32/bf16/fp16
+(in fp32 integer and power-of-two arithmetic, see `_fast_elements`) and call the reference for
+float64; they assume IEEE subnormals (torch's default, not `torch.set_flush_denormal(True)`).
+
 Storage sizes for static analysis live in k3compile.analysis.formats (no torch import there).
 """
 
@@ -191,4 +195,127 @@ def mx_linear_ref(
     xa = x.to(acc)
     if act_fmt is not None:
         xa = mx_fake_quantize_ref(xa, act_fmt, block)
+    return (xa @ w.T).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast path: the same bits as the reference for fp32 / bf16 / fp16, in fp32 without float64.
+
+FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_EXP_MASK = 0x7F800000  # fp32 exponent field
+_HALF_ULP_SUBNORMAL = 0x00400000  # bits of 2^-127: the one E8M0 scale below fp32's normals
+
+
+def _f32(bits: Tensor) -> Tensor:
+    """Reinterpret int32 bits as fp32."""
+    return bits.view(torch.float32)
+
+
+def _e8m0_factor(b: Tensor) -> Tensor:
+    """fp32 2^(b - 127) for E8M0 bytes b (int32), NaN for 0xFF; exact, 2^-127 included."""
+    bits = torch.where(b == 0, _HALF_ULP_SUBNORMAL, b << 23)
+    return torch.where(b == E8M0_NAN, torch.nan, _f32(bits))
+
+
+def _fast_elements(x: Tensor, f: MXFormat, block: int) -> tuple[Tensor, Tensor]:
+    """(element values [..., nb, block] fp32 on the element grid, signed; scale bytes int32 [..., nb, 1]).
+
+    Same numbers as the reference because every step is exact in fp32 (x is fp32-representable):
+    - scale byte: with E the exponent field of amax, floor(log2 amax) = E - 127 for normal amax, and
+      byte = shared + 127 = max(E - emax, 0) (a subnormal or zero amax clamps to 0; E <= 254 keeps
+      the byte <= 252, so the upper clamp never fires for fp32);
+    - m = x * 2^-shared: -shared is in [-125, 127], a normal power of two, so the product is exact
+      unless |m| < 2^-126, far below half the smallest element step, where both round to a signed 0;
+    - 1/ulp = 2^(mbits - max(floor(log2|m|), emin)) from m's exponent bits (a normal power of two);
+      m / ulp is exact, torch.round is half-to-even, dividing back is exact; |m| < 2^(emax+1), and
+      clamping to +-max before rounding saturates exactly as clamping after it does.
+    NaN/Inf blocks get byte 0xFF and +0 elements, as in the reference. In-place ops keep it to two
+    full-size buffers (CPU elementwise ops here are memory-bound).
+    """
+    xb = x.to(torch.float32).unflatten(-1, (-1, block))
+    amax = torch.maximum(xb.amax(dim=-1, keepdim=True), xb.amin(dim=-1, keepdim=True).neg_())  # NaN propagates
+    special = ~torch.isfinite(amax)
+    b = ((amax.view(torch.int32) >> 23) - f.emax).clamp_(min=0)
+    inv_x = _f32((254 - b.clamp_(max=252)) << 23)  # 2^-shared
+    b.masked_fill_(special, E8M0_NAN)
+    m = xb.mul_(inv_x) if x.dtype != torch.float32 else xb * inv_x  # xb is a fresh copy unless fp32
+    m.masked_fill_(special, 0.0).clamp_(-f.max, f.max)
+    inv_ulp = m.view(torch.int32) & _EXP_MASK
+    inv_ulp.clamp_(min=(f.emin + 127) << 23).neg_().add_((254 + f.mbits) << 23)
+    inv_ulp = _f32(inv_ulp)
+    return m.mul_(inv_ulp).round_().div_(inv_ulp), b
+
+
+def _e2m1_codes_fast(q: Tensor) -> Tensor:
+    """4-bit codes (int32) of fp32 values on the e2m1 grid, from their bits (q is overwritten).
+
+    q * 2^-126 puts e2m1's exponent field (bias 1) exactly on fp32's (subnormal 0.5 -> 2^-127, a
+    subnormal too), so bits 22..24 are the code's exponent and mantissa, and bit 31 its sign.
+    """
+    s = q.mul_(2.0**-126).view(torch.int32)
+    codes = (s >> 22).bitwise_and_(0x7)
+    return codes.bitwise_or_(s.bitwise_right_shift_(28).bitwise_and_(0x8))
+
+
+def mx_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tensor]:
+    """`mx_quantize_ref` with the same bits, fast for fp32/bf16/fp16 (other dtypes use the reference)."""
+    f = check_mx_shape(x.shape[-1], fmt, block)
+    if x.dtype not in FAST_DTYPES:
+        return mx_quantize_ref(x, fmt, block)
+    q, b = _fast_elements(x, f, block)
+    scale = b.squeeze(-1).to(torch.uint8)
+    q = q.flatten(-2)
+    if f.bits == 4:
+        codes = _e2m1_codes_fast(q)
+        return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), scale
+    return q.to(_FP8_DTYPES[fmt]), scale
+
+
+def _e2m1_values_fast(data: Tensor) -> Tensor:
+    """fp32 values [..., n] of packed e2m1 bytes [..., n/2] (inverse of `_e2m1_codes_fast`)."""
+    c = unpack_e2m1(data).to(torch.int32)
+    return _f32(((c & 0x8) << 28) | ((c & 0x7) << 22)) * 2.0**126
+
+
+def mx_dequantize_fast(
+    data: Tensor, scale: Tensor, fmt: str, block: int = 32, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """`mx_dequantize_ref` with the same bits, fast for fp32/bf16/fp16 outputs (float64 uses the reference).
+
+    Element times 2^(scale - 127) is exact in fp32 (at least 2^-143, at most 6 or 57344 * 2^127, where an
+    overflow rounds to Inf as the float64 route's cast does), so the one rounding to `dtype` is the same.
+    """
+    if dtype not in FAST_DTYPES:
+        return mx_dequantize_ref(data, scale, fmt, block, dtype)
+    mx_dequant_meta(data.shape, scale.shape, fmt, block)
+    if mx_format(fmt).bits == 4:
+        elems = _e2m1_values_fast(data)
+    else:
+        raw = data.view(_FP8_DTYPES[fmt]) if data.dtype == torch.uint8 else data
+        elems = raw.to(torch.float32)
+    factor = _e8m0_factor(scale.to(torch.int32).unsqueeze(-1))
+    return (elems.unflatten(-1, (-1, block)) * factor).flatten(-2).to(dtype)
+
+
+def mx_fake_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> Tensor:
+    """`mx_fake_quantize_ref` with the same bits in one fp32 pass (no packed payload), for QAT.
+
+    Element value times 2^shared is exact in fp32 (see `mx_dequantize_fast`); NaN/Inf blocks: +0 * NaN.
+    """
+    f = check_mx_shape(x.shape[-1], fmt, block)
+    if x.dtype not in FAST_DTYPES:
+        return mx_fake_quantize_ref(x, fmt, block)
+    q, b = _fast_elements(x, f, block)
+    return q.mul_(_e8m0_factor(b)).flatten(-2).to(x.dtype)
+
+
+def mx_linear_fast(
+    x: Tensor, data: Tensor, scale: Tensor, fmt: str = "e2m1", block: int = 32, act_fmt: str | None = None
+) -> Tensor:
+    """`mx_linear_ref` on the fast dequantise / fake-quantise (identical operands, so identical result)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    w = mx_dequantize_fast(data, scale, fmt, block, acc)
+    xa = x.to(acc)
+    if act_fmt is not None:
+        xa = mx_fake_quantize_fast(xa, act_fmt, block)
     return (xa @ w.T).to(x.dtype)

@@ -17,6 +17,7 @@ from torch import Tensor, fx, nn
 
 from k3compile.ir.generic_ops import DEPTH_MIX, TOKEN_MIXER
 from k3compile.ir.init import init_parameters
+from k3compile.ir.verify import eliminate_dead_code
 from k3compile.modules.mlp import MLP
 from k3compile.modules.moe import LatentMoE
 from k3compile.modules.norms import RMSNorm
@@ -134,6 +135,8 @@ def lower(spec: Spec, device: torch.device | str = "meta") -> Lowered:
     init_parameters(root, spec)
     graph = FlatTracer().trace(root)
     gm = fx.GraphModule(root, graph, class_name=_class_name(spec))
+    eliminate_dead_code(gm)  # tuple outputs a configuration leaves unread (router scores without QB)
+    gm.recompile()
     _keep_buffer_persistence(root, gm)
     return Lowered(gm, (example_tokens(spec, device),))
 

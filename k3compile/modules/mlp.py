@@ -9,6 +9,16 @@ from k3compile.ops.activations import gelu, situ_glu, swiglu
 ACTIVATIONS = ("situ_glu", "swiglu", "gelu")
 
 
+def check_activation(activation: str, beta1: float | None, beta2: float | None) -> None:
+    """The activation is known and has its betas exactly when it is SiTU-GLU."""
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if activation == "situ_glu" and (beta1 is None or beta2 is None):
+        raise ValueError("situ_glu needs beta1 and beta2 (K3: 4 and 25)")
+    if activation != "situ_glu" and (beta1 is not None or beta2 is not None):
+        raise ValueError(f"beta1/beta2 only apply to situ_glu, not {activation}")
+
+
 class MLP(nn.Module):
     """y = down(act(gate x, up x)) for situ_glu / swiglu; y = down(gelu(up x)) for gelu (exact erf form).
 
@@ -24,12 +34,7 @@ class MLP(nn.Module):
         beta2: float | None = None,
     ):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if activation == "situ_glu" and (beta1 is None or beta2 is None):
-            raise ValueError("situ_glu needs beta1 and beta2 (K3: 4 and 25)")
-        if activation != "situ_glu" and (beta1 is not None or beta2 is not None):
-            raise ValueError(f"beta1/beta2 only apply to situ_glu, not {activation}")
+        check_activation(activation, beta1, beta2)
         self.activation, self.beta1, self.beta2 = activation, beta1, beta2
         if activation != "gelu":
             self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3compile.modules.mlp import MLP
+from k3compile.modules.mlp import MLP, check_activation
 from k3compile.modules.norms import RMSNorm
 from k3compile.ops.balancing import (
     attach_aux_loss,
@@ -35,7 +35,7 @@ from k3compile.ops.balancing import (
     quantile_balance_update,
     sign_balance_update,
 )
-from k3compile.ops.moe import ACTIVATIONS, expert_mlp, moe_combine, moe_dispatch, route
+from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, route
 
 BALANCING = ("quantile", "bias_sign", "aux_loss", "none")
 
@@ -172,10 +172,7 @@ class RoutedExperts(nn.Module):
         beta2: float | None = None,
     ):
         super().__init__()
-        if activation not in ACTIVATIONS:
-            raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
-        if activation == "situ_glu" and (beta1 is None or beta2 is None):
-            raise ValueError("situ_glu needs beta1 and beta2 (K3: 4 and 25)")
+        check_activation(activation, beta1, beta2)
         self.activation, self.beta1, self.beta2 = activation, beta1, beta2
         self.act_quant: tuple[str, int] | None = None  # (MX element format, block) for the matmul inputs
         if activation != "gelu":

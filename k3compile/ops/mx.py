@@ -1,7 +1,8 @@
 """k3 MX ops: mx_quantize, mx_dequantize, mx_fake_quantize (straight-through) and mx_linear.
 
-Rules and layout decisions are documented in k3compile.kernels.mx. mx_linear is the reference the
-MX-packing pass and the Triton dot_scaled kernel are checked against.
+Rules and layout decisions are documented in k3compile.kernels.mx. The ops run its `_fast` functions,
+which give the reference's bits (tests/kernels/test_mx.py checks them against `_ref`). mx_linear is the
+reference the MX-packing pass and the Triton dot_scaled kernel are checked against.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ def _quantize_fake(x, fmt, block):
 
 @k3_op("mx_quantize", fake=_quantize_fake)
 def mx_quantize_op(x: Tensor, fmt: str, block: int) -> tuple[Tensor, Tensor]:
-    return ref.mx_quantize_ref(x, fmt, block)
+    return ref.mx_quantize_fast(x, fmt, block)
 
 
 def _quantize_setup(ctx, inputs, output):
@@ -38,7 +39,7 @@ def _dequantize_fake(data, scale, fmt, block, dtype):
 
 @k3_op("mx_dequantize", fake=_dequantize_fake)
 def mx_dequantize_op(data: Tensor, scale: Tensor, fmt: str, block: int, dtype: torch.dtype) -> Tensor:
-    return ref.mx_dequantize_ref(data, scale, fmt, block, dtype)
+    return ref.mx_dequantize_fast(data, scale, fmt, block, dtype)
 
 
 def _fake_quantize_fake(x, fmt, block):
@@ -48,7 +49,7 @@ def _fake_quantize_fake(x, fmt, block):
 
 @k3_op("mx_fake_quantize", fake=_fake_quantize_fake)
 def mx_fake_quantize_op(x: Tensor, fmt: str, block: int) -> Tensor:
-    return ref.mx_fake_quantize_ref(x, fmt, block)
+    return ref.mx_fake_quantize_fast(x, fmt, block)
 
 
 def _straight_through(ctx, grad):
@@ -68,7 +69,7 @@ def _linear_fake(x, data, scale, fmt, block, act_fmt):
 def mx_linear_op(
     x: Tensor, data: Tensor, scale: Tensor, fmt: str, block: int, act_fmt: str | None
 ) -> Tensor:
-    return ref.mx_linear_ref(x, data, scale, fmt, block, act_fmt)
+    return ref.mx_linear_fast(x, data, scale, fmt, block, act_fmt)
 
 
 def _linear_setup(ctx, inputs, output):

@@ -16,11 +16,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3compile.analysis.formats import ELEMENT_OF_POLICY
+from k3compile.ir.lower import Layer
 from k3compile.modules.attn_res import AttnRes, AttnResSources
 from k3compile.modules.kda import KDAMixer, KDAState
 from k3compile.modules.moe import RoutedExperts
 from k3compile.modules.norms import RMSNorm
 from k3compile.ops.mx import mx_fake_quantize
+from k3compile.passes.interleave import make_mixer
 from k3compile.spec.schema import Spec
 from k3compile.spec.weights import activation_format
 
@@ -43,29 +45,17 @@ class DecodeCache:
         return {"kda_state": kda, "mla_latent": mla, "total": kda + mla}
 
 
-class DecoderLayer(nn.Module):
+class DecoderLayer(Layer):
+    """The lowered layer with its token mixer resolved and, for attention residuals, its AttnRes modules."""
+
     def __init__(self, spec: Spec, i: int):
-        from k3compile.ir.lower import make_ffn
-        from k3compile.passes.interleave import make_mixer
-
-        super().__init__()
-        d, eps = spec.hidden_size, spec.norm_eps
-        if spec.residual.kind == "attn_res":
-            self.attn_res = AttnRes(d, eps)
-            self.ffn_res = AttnRes(d, eps)
-        self.attn_norm = RMSNorm(d, eps)
+        super().__init__(spec, i)
         self.attn = make_mixer(spec, i)
-        self.ffn_norm = RMSNorm(d, eps)
-        ffn = make_ffn(spec, i)
+        if spec.residual.kind == "attn_res":
+            self.attn_res = AttnRes(spec.hidden_size, spec.norm_eps)
+            self.ffn_res = AttnRes(spec.hidden_size, spec.norm_eps)
         if spec.is_moe_layer(i):
-            ffn.capacity_factor = None  # inference never drops tokens
-            self.moe = ffn
-        else:
-            self.ffn = ffn
-
-    @property
-    def mlp(self) -> nn.Module:
-        return self.moe if hasattr(self, "moe") else self.ffn
+            self.moe.capacity_factor = None  # inference never drops tokens
 
     def mix(self, x: Tensor, state, position: int) -> tuple[Tensor, object]:
         if isinstance(self.attn, KDAMixer):

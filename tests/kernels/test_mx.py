@@ -339,3 +339,109 @@ def test_bf16_input_matches_float32_input():
         a, b = mx.mx_quantize_ref(x, fmt), mx.mx_quantize_ref(x.float(), fmt)
         assert torch.equal(a[0].view(torch.uint8), b[0].view(torch.uint8)) and torch.equal(a[1], b[1])
         assert mx.mx_fake_quantize_ref(x, fmt).dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------------------------
+# Fast path (fp32 integer and power-of-two arithmetic) against the float64 reference, bit for bit.
+
+FAST_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+_INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Raw bit patterns, so that -0 != +0 and NaN payloads count."""
+    return t.view(_INT_OF_SIZE[t.element_size()])
+
+
+def _assert_fast_equals_reference(x: torch.Tensor, fmt: str, block: int):
+    """Payload, scales, fake-quant output and decoded values of the fast path equal the reference's bits."""
+    data, scale = mx.mx_quantize_ref(x, fmt, block)
+    fast_data, fast_scale = mx.mx_quantize_fast(x, fmt, block)
+    assert fast_data.dtype == data.dtype and torch.equal(_bits(fast_data), _bits(data))
+    assert torch.equal(fast_scale, scale)
+    fake = mx.mx_fake_quantize_fast(x, fmt, block)
+    assert fake.dtype == x.dtype and torch.equal(_bits(fake), _bits(mx.mx_fake_quantize_ref(x, fmt, block)))
+    back = mx.mx_dequantize_fast(data, scale, fmt, block, x.dtype)
+    assert torch.equal(_bits(back), _bits(mx.mx_dequantize_ref(data, scale, fmt, block, x.dtype)))
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+def test_fast_dequantize_every_code_and_scale_byte(fmt):
+    # Every payload byte under every E8M0 byte (0x00 = 2^-127 subnormal, 0xFF = NaN), to every fast dtype.
+    per_row = 2 if fmt == "e2m1" else 1  # elements per payload byte, one block each
+    data = torch.arange(256, dtype=torch.uint8).repeat(256, 1)
+    scale = torch.arange(256, dtype=torch.uint8).unsqueeze(1).repeat(1, 256)
+    for dtype in FAST_DTYPES:
+        got = mx.mx_dequantize_fast(data, scale, fmt, per_row, dtype)
+        assert torch.equal(_bits(got), _bits(mx.mx_dequantize_ref(data, scale, fmt, per_row, dtype)))
+
+
+def _every_16bit_value(dtype: torch.dtype) -> torch.Tensor:
+    return torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(dtype)
+
+
+def _with_anchors(v: torch.Tensor, seed: int) -> torch.Tensor:
+    """Blocks of 2: [v, anchor], anchor = |v| * 2^j * (1 + r), j in [-3, 12], so that v lands anywhere
+    from the top binade to below the element format's smallest step (NaN/Inf v make NaN blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    v64 = v.to(torch.float64)
+    j = torch.randint(-3, 13, v.shape, generator=gen).to(torch.float64)
+    anchor = v64.abs() * torch.exp2(j) * (1 + torch.rand(v.shape, generator=gen, dtype=torch.float64))
+    anchor = torch.where(torch.isfinite(anchor), anchor, 1.0).to(v.dtype)
+    return torch.stack((v, anchor), dim=-1).reshape(-1, 64)
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_fast_quantize_every_16bit_value(fmt, dtype):
+    # All 65536 bf16 / fp16 bit patterns (subnormals, -0, Inf, NaNs), each in a block of 2 with a random
+    # anchor, then the same values in blocks of 32 in a shuffled order.
+    v = _every_16bit_value(dtype)
+    _assert_fast_equals_reference(_with_anchors(v, seed=1), fmt, 2)
+    perm = torch.randperm(v.numel(), generator=torch.Generator().manual_seed(2))
+    _assert_fast_equals_reference(v[perm].reshape(-1, 128), fmt, 32)
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+def test_fast_quantize_fp32_next_to_every_bf16_value(fmt):
+    # Element-grid ties have few significant bits, so they are bf16 values; their fp32 neighbours one
+    # ulp either side (and the ties themselves) probe round-to-nearest-even from both sides.
+    base = _every_16bit_value(torch.bfloat16).float().view(torch.int32)
+    v = torch.cat([(base + d).view(torch.float32) for d in (-1, 0, 1)])
+    _assert_fast_equals_reference(_with_anchors(v, seed=3), fmt, 2)
+
+
+# Element-grid ties and the anchors that put them at scale 2^0, for all three formats.
+TIES = [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 7.0, 1.0625, 1.1875, 2.0**-10, 3 * 2.0**-10, 464.0]
+TIES += [1.125, 1.375, 2.0**-17, 3 * 2.0**-17, 61440.0, 4.0, 6.0, 256.0, 448.0, 32768.0, 57344.0]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    data=st.data(),
+    fmt=st.sampled_from(["e2m1", "e4m3", "e5m2"]),
+    dtype=st.sampled_from(FAST_DTYPES),
+    block=st.sampled_from([2, 4, 8, 32]),
+    nblocks=st.integers(1, 3),
+)
+def test_fast_path_equals_reference_property(data, fmt, dtype, block, nblocks):
+    # Per test one binade shift k for the tie values (fp32 subnormal to huge), mixed with arbitrary
+    # float32s (subnormals, +-0 included) and, sometimes, a NaN or an Inf.
+    k = data.draw(st.integers(-160, 110), label="k")
+    tied = st.sampled_from(TIES + [-t for t in TIES] + [-0.0]).map(lambda t: math.ldexp(t, k))
+    n = block * nblocks
+    values = data.draw(st.lists(st.one_of(tied, tied, f32), min_size=n, max_size=n), label="values")
+    if data.draw(st.booleans(), label="special"):
+        values[data.draw(st.integers(0, n - 1))] = data.draw(special)
+    _assert_fast_equals_reference(torch.tensor(values, dtype=torch.float32).to(dtype).reshape(nblocks, block), fmt, block)
+
+
+def test_fast_path_falls_back_to_reference_for_float64():
+    x = torch.tensor([2.0**200, 2.0**126, -3.0, 0.1], dtype=torch.float64)  # byte 0xFE needs float64
+    for fmt in mx.MX_FORMATS:
+        data, scale = mx.mx_quantize_fast(x, fmt, 2)
+        want_data, want_scale = mx.mx_quantize_ref(x, fmt, 2)
+        assert torch.equal(_bits(data), _bits(want_data)) and torch.equal(scale, want_scale)
+        assert torch.equal(mx.mx_fake_quantize_fast(x, fmt, 2), mx.mx_fake_quantize_ref(x, fmt, 2))
+        back = mx.mx_dequantize_fast(data, scale, fmt, 2, torch.float64)
+        assert torch.equal(back, mx.mx_dequantize_ref(data, scale, fmt, 2, torch.float64))
