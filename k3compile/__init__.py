@@ -8,3 +8,11 @@ def load(path):
     from k3compile.loader import load as _load
 
     return _load(path)
+
+
+def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
+          stop_after=None):
+    """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train)."""
+    from k3compile.runtime.train import train as _train
+
+    return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after)

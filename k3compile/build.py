@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import json
+import keyword
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from k3compile import __version__
 from k3compile.analysis.params import param_counts
 from k3compile.analysis.stats import spec_stats
 from k3compile.emit.codegen import model_source, spec_hash
-from k3compile.emit.package import write_package
+from k3compile.emit.package import check_dest, write_package
 from k3compile.ir.lower import lower
 from k3compile.ir.pass_manager import GraphPass, PassContext, PassManager, PassRecord
 from k3compile.ir.verify import format_graph
@@ -121,6 +122,8 @@ def build(
     """Compile every requested mode and write `out_dir/<spec name>/`; returns (path, manifest)."""
     modes = MODES if options.mode == "both" else (options.mode,)
     target = options.target or spec.target
+    dest = Path(out_dir) / package_name(spec)
+    check_dest(dest)  # refuse before compiling, not after it
     compiled = compile_graphs(spec, modes, options, on_pass)
     device = lowering_device(spec, options)
     pass_names = [r.name for r in next(iter(compiled.values())).records if r.status == "ran"]
@@ -153,14 +156,14 @@ def build(
         files[f"graphs/{m}-final.txt"] = format_graph(c.gm).encode()
         for name, text in c.dumps.items():
             files[f"graphs/{m}/{name}.txt"] = text.encode()
-    dest = write_package(Path(out_dir) / package_name(spec), files, {"compiler": __version__, "spec": spec.name})
+    dest = write_package(dest, files, {"compiler": __version__, "spec": spec.name})
     return dest, manifest
 
 
 def package_name(spec: Spec) -> str:
-    """The emitted package's folder: the spec name as a Python identifier ('k3-tiny' -> 'k3_tiny')."""
+    """The emitted package's folder, an importable identifier: 'k3-tiny' -> 'k3_tiny', 'class' -> 'k3_class'."""
     name = "".join(c if c.isalnum() or c == "_" else "_" for c in spec.name)
-    return name if name[0].isalpha() else f"k3_{name}"
+    return name if name[0].isalpha() and not keyword.iskeyword(name) else f"k3_{name}"
 
 
 def _init_source(spec: Spec, exports: list[str]) -> str:

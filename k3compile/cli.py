@@ -97,6 +97,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass (repeatable)")
     p.add_argument("--verify-numerics", action="store_true",
                    help="run a small real instance before and after each numerics-preserving pass; fail on a difference")
+
+    p = sub.add_parser(
+        "generate",
+        help="generate text from a build (byte-level), streaming it as it decodes",
+        description="Prefill the prompt's UTF-8 bytes in chunks, then decode token by token with the KDA "
+        "recurrent and short-conv state and the MLA latent cache, writing text to stdout as it comes. Takes a "
+        "training checkpoint (packed into the inference weights); without one, the seeded initial weights.",
+    )
+    p.add_argument("build", help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
+    p.add_argument("--checkpoint", help="a training checkpoint (default: the build's seeded initial weights)")
+    p.add_argument("--prompt", required=True, help="the prompt text (encoded as UTF-8 bytes)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens (bytes) to generate (default 128)")
+    p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1] (default 0.95)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+
+    p = sub.add_parser(
+        "train",
+        help="train a spec's (or a build's) Model on bytes, with checkpoints and validation",
+        description="Train the emitted Model of a spec (built into OUT/build first) or of a build folder on "
+        "byte-level data (default: the Python standard library's sources) with the spec's optimizer, schedule, "
+        "gradient clipping and load balancing. Writes OUT/metrics.jsonl and OUT/checkpoints/; --resume continues "
+        "exactly where a run stopped.",
+    )
+    p.add_argument("spec", metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
+    p.add_argument("--steps", type=int, required=True, help="optimizer steps in total (the schedule's length)")
+    p.add_argument("--data", help="a text file or a folder of text files (default: the Python stdlib's sources)")
+    p.add_argument("--out", help="run folder (default: runs/<spec name>)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
+                   help="override a spec field (repeatable; only training.* for a build), e.g. --set training.lr=0.01")
+    p.add_argument("--eval-every", type=int, metavar="K", help="validate and checkpoint every K steps (default: steps // 6)")
+    p.add_argument("--stop-after", type=int, metavar="N",
+                   help="stop (with a checkpoint) after N steps of this invocation; --resume continues the schedule")
     return parser
 
 
@@ -164,7 +198,53 @@ def _cmd_build(args) -> None:
     print_build(dest, manifest)
 
 
-COMMANDS = {"stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build}
+def _cmd_generate(args) -> None:
+    import time
+
+    from k3compile.runtime.generate import (
+        GenerateError, build_spec, check_request, encode, generate_tokens, load_build, load_decoder, stream_text,
+    )
+
+    try:
+        module = load_build(args.build)
+        prompt = encode(args.prompt)
+        check_request(build_spec(module), prompt, args.max_new_tokens, args.temperature, args.top_p)
+        if args.checkpoint is None:
+            print(f"note: no --checkpoint: using the seeded initial weights of {args.build}", file=sys.stderr)
+        decoder = load_decoder(module, args.checkpoint)
+        caches = []
+        start = time.perf_counter()
+        tokens = generate_tokens(decoder, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+                                 on_cache=caches.append)
+        stream_text(tokens, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
+    except GenerateError as e:
+        raise UsageError(str(e)) from None
+    print(flush=True)
+    if caches:
+        b = caches[0].nbytes()
+        seconds = time.perf_counter() - start
+        print(f"{args.max_new_tokens} tokens after a {len(prompt)}-token prompt in {seconds:.1f} s; "
+              f"cache: KDA {b['kda_state']:,} B, MLA {b['mla_latent']:,} B", file=sys.stderr)
+
+
+def _cmd_train(args) -> None:
+    from k3compile.emit.package import BuildDirError
+    from k3compile.ir.pass_manager import NumericsMismatch, PassFailure
+    from k3compile.runtime.checkpoint import CheckpointError
+    from k3compile.runtime.data import DataError
+    from k3compile.runtime.train import TrainError, train
+
+    try:
+        train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
+              eval_every=args.eval_every, stop_after=args.stop_after)
+    except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
+        raise UsageError(str(e)) from None
+
+
+COMMANDS = {
+    "stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
+    "train": _cmd_train,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,8 @@ rounds a decay of 0.998 to 1.0; float64 inputs stay float64, for gradchecks); ou
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -120,68 +122,351 @@ def kda_recurrent_ref(
     return o.to(v_BTHV.dtype), S
 
 
-# Floor for fp32 decay exponents. exp(-40) ~ 4e-18 is zero next to the O(1) terms it is added to (fp32
-# resolves 1e-7), and flooring keeps exp and later products out of the slow underflow / subnormal paths.
-_EXP_FLOOR = -40.0
+# ---------------------------------------------------------------------------------------------------------
+# Chunked form. All chunk tensors are chunk-major, [N, B, H, C, X]: one strided copy in and out, the leading
+# dims fold into one bmm batch, and each chunk of the sequential state loop is one contiguous slice.
 
+LOG2E = 1.4426950408889634  # exp(x) == exp2(x * LOG2E); exp2 is about 3x faster than exp on CPU
 
-def _decay(log_decay: Tensor) -> Tensor:
-    """exp of a log decay (<= 0); in fp32 the argument is floored at _EXP_FLOOR (float64 is left exact)."""
-    if log_decay.dtype == torch.float64:
-        return torch.exp(log_decay)
-    return torch.exp(log_decay.clamp_min(_EXP_FLOOR))
-
-
-# Diagonal 8x8 blocks factor exp(G_i - G_j) through the block's middle, a span of at most 4 steps, so a
-# per-step floor of -21 (fp32) keeps every factor inside exp's range (4 * 21 < 88). The floor only bites
-# where a decay exp(g) is below exp(-21) ~ 8e-10, and then moves a product that small by less than it.
+# The diagonal 8x8 blocks of the score matrices factor exp(G_i - G_j) through the block's middle row, a
+# span of at most 4 steps; a per-step floor on g keeps those factors (and the backward's products of them
+# with gradients) inside the exponent range: fp32 4 * 18 * LOG2E = 104 < 127, float64 4 * 170 * LOG2E < 1023.
+# The floor only bites where a decay exp(g) is below exp(-18) ~ 1.5e-8 (fp32), and then moves a product
+# that small by less than it.
 _BASE = 8
-_BASE_G_FLOOR = {torch.float32: -21.0, torch.float64: -170.0}
+_BASE_G_FLOOR = {torch.float32: -18.0, torch.float64: -170.0}
 
 
-def _intra_chunk_scores(q_NCK: Tensor, k_NCK: Tensor, g_NCK: Tensor, G_NCK: Tensor) -> tuple[Tensor, Tensor]:
-    """A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, and A_kk (k in place of q) for j < i.
+class ChunkSaved(NamedTuple):
+    """What the chunked forward keeps for its backward: chunk-major, in the compute dtype, N = ceil(T / C)."""
 
-    exp(G_i - G_j) is never formed as exp(G_i) * exp(-G_j) across a chunk: that overflows for strong
-    decays. Instead, by halving: the lower-left quadrant of every diagonal block of size b (16, 32, 64)
-    factors through the first row r of its lower half, exp(G_i - G_r) * exp(G_r - G_j), both in (0, 1];
-    the 8x8 diagonal blocks factor through their middle with floored per-step decays (see _BASE_G_FLOOR).
-    The reference points are detached: the products do not depend on them, so neither do the gradients.
-    C must be a power of two. Leading dims are batch dims; returns two [..., C, C] matrices.
+    q: Tensor  # [N, B, H, C, K], zero-padded to N*C tokens
+    k: Tensor  # [N, B, H, C, K]
+    v: Tensor  # [N, B, H, C, V]
+    beta: Tensor  # [N, B, H, C, 1]
+    decay: Tensor  # [F, N, B, H, C, K]: the decay factors of _decay_factors
+    A: Tensor  # [2, N, B, H, C, C]: A_qk (j <= i) and A_kk (j < i), zero above
+    M: Tensor  # [N, B, H, C, C]: (I + Diag(beta) A_kk)^-1
+    X: Tensor  # [N, B, H, C, K + V]: [W | U] = M Diag(beta) [Gamma*K | V]
+    v_new: Tensor  # [N, B, H, C, V]: pseudo-values U - W S
+    transition: Tensor  # [N, B, H, K, K]: Diag(gamma_C) - Kc^T W
+    S: Tensor  # [N, B, H, K, V]: the state entering each chunk
+
+
+def _n_levels(C: int) -> int:
+    """Number of halving levels above the base blocks (blocks of 16, 32, ..., C)."""
+    return (C // min(C, _BASE)).bit_length() - 1
+
+
+def chunk_saved_shapes(B: int, T: int, H: int, K: int, V: int, chunk_size: int) -> list[tuple[int, ...]]:
+    """Shapes of the ChunkSaved fields, in order (for the op's fake impl)."""
+    C = chunk_size
+    lead = (-(-T // C), B, H)
+    return [(*lead, C, K), (*lead, C, K), (*lead, C, V), (*lead, C, 1), (4 + _n_levels(C), *lead, C, K),
+            (2, *lead, C, C), (*lead, C, C), (*lead, C, K + V), (*lead, C, V), (*lead, K, K), (*lead, K, V)]
+
+
+def _flat(x: Tensor) -> Tensor:
+    """Leading dims folded into one bmm batch dim (a view for every chunk-major tensor here)."""
+    return x.flatten(0, -3)
+
+
+def _to_chunks(x_BTHX: Tensor, C: int, dtype: torch.dtype) -> Tensor:
+    """[B, T, H, X] -> chunk-major [N, B, H, C, X] in dtype, zero-padded to N*C tokens, in one strided copy."""
+    B, T, H, X = x_BTHX.shape
+    N, full = -(-T // C), T // C
+    out = torch.empty(N, B, H, C, X, dtype=dtype, device=x_BTHX.device)
+    dst = out.permute(1, 0, 3, 2, 4)  # [B, N, C, H, X]
+    if full:
+        dst[:, :full].copy_(x_BTHX[:, : full * C].unflatten(1, (full, C)))
+    if full < N:
+        dst[:, full, : T - full * C].copy_(x_BTHX[:, full * C :])
+        dst[:, full, T - full * C :].zero_()
+    return out
+
+
+def _from_chunks(x_NBHCX: Tensor, T: int, dtype: torch.dtype) -> Tensor:
+    """Chunk-major [N, B, H, C, X] -> contiguous [B, T, H, X] in dtype (padding dropped), in one strided copy."""
+    N, B, H, C, X = x_NBHCX.shape
+    full = T // C
+    out = torch.empty(B, T, H, X, dtype=dtype, device=x_NBHCX.device)
+    src = x_NBHCX.permute(1, 0, 3, 2, 4)  # [B, N, C, H, X]
+    if full:
+        out[:, : full * C].unflatten(1, (full, C)).copy_(src[:, :full])
+    if full < N:
+        out[:, full * C :].copy_(src[:, full, : T - full * C])
+    return out
+
+
+def _diag_blocks(A: Tensor, b: int) -> Tensor:
+    """View [..., C/b, b, b] of the b x b diagonal blocks of A [..., C, C]."""
+    n = A.shape[-1] // b
+    return A.unflatten(-1, (n, b)).unflatten(-3, (n, b)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
+
+
+def _decay_factors(g2: Tensor) -> Tensor:
+    """Every decay factor of the chunked form, from the per-step log2 decay g2 [..., C, K]: [F, ..., C, K] =
+    Gamma = exp(G), Gamma_{i->C} = exp(G_C - G), the base blocks' 2^D and 2^-D, then one slot per halving
+    level holding its row factors (lower halves) and column factors (upper halves), see _score_pieces.
+
+    G is accumulated in float64, so that differences of nearby tokens keep fp32 accuracy however large |G|
+    grows within a chunk (an fp32 cumsum loses about 1e-5 of them at |G| ~ 300). D is the cumsum of the
+    floored decays within each base block, relative to its middle row (see _BASE_G_FLOOR).
     """
-    C = q_NCK.shape[-2]
-    base = min(C, _BASE)
-    n0 = C // base
-
-    q_blk, k_blk = q_NCK.unflatten(-2, (n0, base)), k_NCK.unflatten(-2, (n0, base))
-    D = g_NCK.clamp_min(_BASE_G_FLOOR[g_NCK.dtype]).unflatten(-2, (n0, base)).cumsum(-2)
-    D = D - D[..., base // 2 : base // 2 + 1, :].detach()
-    k_down = (k_blk * torch.exp(-D)).transpose(-1, -2)
-    up = torch.exp(D)
-    tri = torch.ones(base, base, dtype=torch.bool, device=q_NCK.device).tril()
-    # where, not a multiply: entries above the diagonal may overflow to inf and must not make NaNs.
-    A_qk = torch.where(tri, (q_blk * up) @ k_down, 0.0)  # [..., n0, base, base]
-    A_kk = torch.where(tri.tril(-1), (k_blk * up) @ k_down, 0.0)
-
-    b = 2 * base
-    while b <= C:
-        nb, h = C // b, b // 2
-        G_lo, G_hi = G_NCK.unflatten(-2, (nb, b)).chunk(2, dim=-2)
-        _, q_hi = q_NCK.unflatten(-2, (nb, b)).chunk(2, dim=-2)
-        k_lo, k_hi = k_NCK.unflatten(-2, (nb, b)).chunk(2, dim=-2)
-        G_r = G_hi[..., :1, :].detach()
-        row_decay = _decay(G_hi - G_r)
-        cols = (k_lo * _decay(G_r - G_lo)).transpose(-1, -2)
-        zeros = q_NCK.new_zeros(*q_NCK.shape[:-2], nb, h, h)
-
-        def merge(A: Tensor, rows: Tensor) -> Tensor:  # [[A_0, 0], [rows @ cols, A_1]] per block of size b
-            A_0, A_1 = A.unflatten(-3, (nb, 2)).unbind(-3)
-            lower = torch.cat([(rows * row_decay) @ cols, A_1], dim=-1)
-            return torch.cat([torch.cat([A_0, zeros], dim=-1), lower], dim=-2)
-
-        A_qk, A_kk = merge(A_qk, q_hi), merge(A_kk, k_hi)
+    C = g2.shape[-2]
+    b = min(C, _BASE)
+    F = g2.new_empty(4 + _n_levels(C), *g2.shape)
+    G = g2.cumsum(-2, dtype=torch.float64)
+    F[0].copy_(G)
+    diff = torch.sub(G[..., -1:, :], G)
+    F[1].copy_(diff)
+    D = g2.clamp_min(_BASE_G_FLOOR[g2.dtype] * LOG2E).unflatten(-2, (C // b, b)).cumsum(-2)
+    torch.sub(D, D[..., b // 2 : b // 2 + 1, :], out=F[2].unflatten(-2, (C // b, b)))
+    torch.neg(F[2], out=F[3])
+    for f in F[4:]:
         b *= 2
-    return A_qk.squeeze(-3), A_kk.squeeze(-3)
+        h = b // 2
+        Gb, db = G.unflatten(-2, (C // b, b)), diff.unflatten(-2, (C // b, b))
+        G_r = Gb[..., h : h + 1, :]
+        torch.sub(Gb[..., h:, :], G_r, out=db[..., h:, :])
+        torch.sub(G_r, Gb[..., :h, :], out=db[..., :h, :])
+        f.copy_(diff)
+    return F.exp2_()
+
+
+def _score_pieces(F: Tensor) -> list[tuple[int, slice, slice, Tensor, Tensor, Tensor | None]]:
+    """The pieces the score matrices are built from: (b, rows, cols, row_factor, col_factor, mask) per level.
+
+    In every b x b diagonal block, entries rows x cols are A[i,j] = sum_d (x_id r_id) (k_jd c_jd), with
+    x = q for A_qk and k for A_kk, and r_i c_j = exp(G_i - G_j) never formed as exp(G_i) exp(-G_j) (that
+    overflows for strong decays). Base (b = 8): whole blocks, through the block's middle row with floored
+    per-step decays, masked to j <= i (qk) and j < i (kk). Levels b = 16, 32, ..., C: the lower-left
+    quadrant of every block, through the first row r of its lower half: exp(G_i - G_r) and exp(G_r - G_j),
+    both in (0, 1]. Factors come from _decay_factors, viewed [..., C/b, rows or cols, K].
+    """
+    C = F.shape[-2]
+    b = min(C, _BASE)
+    tri = torch.ones(b, b, dtype=torch.bool, device=F.device).tril()
+    pieces = [(b, slice(None), slice(None), F[2].unflatten(-2, (C // b, b)), F[3].unflatten(-2, (C // b, b)),
+               torch.stack([tri, tri.tril(-1)]))]
+    for f in F[4:]:
+        b *= 2
+        fb = f.unflatten(-2, (C // b, b))
+        pieces.append((b, slice(b // 2, None), slice(None, b // 2), fb[..., b // 2 :, :], fb[..., : b // 2, :], None))
+    return pieces
+
+
+def _operands(q: Tensor, k: Tensor, b: int, rows: slice, cols: slice, r: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+    """Row operand [..., n, 2 * r, K] ([q; k] rows times r per block) and column operand [..., n, c, K]."""
+    n = q.shape[-2] // b
+    row_op = q.new_empty(*r.shape[:-2], 2, *r.shape[-2:])
+    torch.mul(q.unflatten(-2, (n, b))[..., rows, :], r, out=row_op[..., 0, :, :])
+    torch.mul(k.unflatten(-2, (n, b))[..., rows, :], r, out=row_op[..., 1, :, :])
+    return row_op.flatten(-3, -2), k.unflatten(-2, (n, b))[..., cols, :] * c
+
+
+def _intra_chunk_scores(q: Tensor, k: Tensor, F: Tensor) -> Tensor:
+    """[A_qk, A_kk] as one [2, ..., C, C] tensor, zero above the diagonal, from q, k [..., C, K] and the
+    decay factors F of _decay_factors: A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, A_kk the
+    same with k for q, for j < i. C must be a power of two."""
+    C = q.shape[-2]
+    A = q.new_zeros(2, *q.shape[:-1], C)
+    for b, rows, cols, r, c, mask in _score_pieces(F):
+        row_op, col_op = _operands(q, k, b, rows, cols, r, c)
+        out = (row_op @ col_op.mT).unflatten(-2, (2, -1))  # [..., n, 2, rows, cols]
+        if mask is not None:  # where, not a multiply: entries above the diagonal may overflow to inf
+            out = out.where(mask, 0.0)
+        _diag_blocks(A, b)[..., rows, cols].copy_(out.movedim(-3, 0))
+    return A
+
+
+def _score_piece_backward(
+    q: Tensor, k: Tensor, piece: tuple, dA: Tensor, dq: Tensor, dk_row: Tensor, dk_col: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Adds one piece's share of the score gradients (dA = [dA_qk, dA_kk], read on and below the diagonal)
+    to dq and dk, split by role: dk_row through exp(+G) (rows of A_kk), dk_col through exp(-G) (columns).
+    Returns (row operand, its gradient, column operand, its gradient) for a caller that needs the log-decay
+    gradient of the piece, rows minus columns."""
+    b, rows, cols, r, c, mask = piece
+    n = q.shape[-2] // b
+    row_op, col_op = _operands(q, k, b, rows, cols, r, c)
+    d_out = _diag_blocks(dA, b)[..., rows, cols].movedim(0, -3)  # [..., n, 2, rows, cols]
+    d_out = (d_out.where(mask, 0.0) if mask is not None else d_out).flatten(-3, -2)
+    d_row = d_out @ col_op  # [..., n, 2 * rows, K]
+    d_col = d_out.mT @ row_op  # [..., n, cols, K]
+    dq.unflatten(-2, (n, b))[..., rows, :].addcmul_(d_row.unflatten(-2, (2, -1))[..., 0, :, :], r)
+    dk_row.unflatten(-2, (n, b))[..., rows, :].addcmul_(d_row.unflatten(-2, (2, -1))[..., 1, :, :], r)
+    dk_col.unflatten(-2, (n, b))[..., cols, :].addcmul_(d_col, c)
+    return row_op, d_row, col_op, d_col
+
+
+def _unit_lower_inverse(L: Tensor) -> Tensor:
+    """(I + L)^-1 for strictly lower-triangular L [..., C, C] (C a power of two), blockwise.
+
+    8x8 diagonal blocks by the exact product (I - L)(I + L^2)(I + L^4) = sum_k (-L)^k (L^8 = 0 there);
+    then blocks of 16, 32, ..., C by [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]].
+    Batched matmuls only: a batched triangular solve is several times slower on CPU.
+    """
+    C = L.shape[-1]
+    b = min(C, _BASE)
+    M = torch.zeros_like(L)
+    power = _diag_blocks(L, b)
+    inv = torch.eye(b, dtype=L.dtype, device=L.device) - power
+    p = 2
+    while p < b:
+        power = power @ power
+        inv = inv + inv @ power
+        p *= 2
+    _diag_blocks(M, b).copy_(inv)
+    while b < C:
+        b *= 2
+        h = b // 2
+        blocks = _diag_blocks(M, b)
+        blocks[..., h:, :h] = -(blocks[..., h:, h:] @ _diag_blocks(L, b)[..., h:, :h] @ blocks[..., :h, :h])
+    return M
+
+
+def kda_chunk_fwd(
+    q_BTHK: Tensor,
+    k_BTHK: Tensor,
+    v_BTHV: Tensor,
+    g_BTHK: Tensor,
+    beta_BTH: Tensor,
+    scale: float | None = None,
+    initial_state_BHKV: Tensor | None = None,
+    chunk_size: int = 64,
+) -> tuple[Tensor, Tensor, ChunkSaved]:
+    """Chunkwise-parallel KDA (UT transform): (o_BTHV in v's dtype, final state, what the backward needs).
+
+    Per chunk (C tokens, Gamma = exp of the in-chunk cumulative log decay G):
+      X = [W | U] = (I + Diag(beta) A_kk)^-1 Diag(beta) [Gamma*K | V]   (A_kk strictly lower)
+      pseudo-values V' = U - W S;  O = (Gamma*Q) S + A_qk V';  S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V'.
+    Everything that does not depend on the carried state is computed for all chunks at once; the chunk
+    loop is one matmul-add per chunk, S <- (Diag(gamma_C) - Kc^T W) S + Kc^T U. T is zero-padded to a
+    multiple of C inside (padded tokens have k = 0, g = 0, so they leave the state alone). Not differentiable
+    by autograd: the op k3::kda_chunk pairs it with `kda_chunk_bwd`.
+    """
+    if chunk_size < 1 or chunk_size & (chunk_size - 1):
+        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
+    dtype = _compute_dtype(q_BTHK)
+    B, T, H, K = q_BTHK.shape
+    V = v_BTHV.shape[-1]
+    C = chunk_size
+    scale = K**-0.5 if scale is None else scale
+    q, k, v = (_to_chunks(x, C, dtype) for x in (q_BTHK, k_BTHK, v_BTHV))
+    beta = _to_chunks(beta_BTH[..., None], C, dtype)
+    N = q.shape[0]
+
+    F = _decay_factors(_to_chunks(g_BTHK, C, dtype).mul_(LOG2E))
+    decay_in, decay_out = F[0], F[1]  # Gamma (chunk start -> token) and Gamma_{i->C} (token -> chunk end)
+    A = _intra_chunk_scores(q, k, F)
+    M = _unit_lower_inverse(beta * A[1])
+    Y = q.new_empty(N, B, H, C, K + V)
+    torch.mul(k, decay_in, out=Y[..., :K]).mul_(beta)
+    torch.mul(v, beta, out=Y[..., K:])
+    X = M @ Y
+    KX = (k * decay_out).mT @ X  # [Kc^T W | Kc^T U], [N, B, H, K, K + V]
+    transition = KX[..., :K].neg()
+    transition.diagonal(dim1=-2, dim2=-1).add_(decay_in[..., -1, :])
+    inject = KX[..., K:]
+
+    S = q.new_empty(N, B, H, K, V)
+    S[0].copy_(initial_state_BHKV) if initial_state_BHKV is not None else S[0].zero_()
+    for n in range(N - 1):
+        torch.baddbmm(_flat(inject[n]), _flat(transition[n]), _flat(S[n]), out=_flat(S[n + 1]))
+    S_final = torch.baddbmm(_flat(inject[-1]), _flat(transition[-1]), _flat(S[-1])).unflatten(0, (B, H))
+
+    W, U = _flat(X[..., :K]), _flat(X[..., K:])
+    v_new = torch.baddbmm(U, W, _flat(S), alpha=-1)
+    O = _flat(q * decay_in) @ _flat(S)
+    O.baddbmm_(_flat(A[0]), v_new, beta=scale, alpha=scale)
+    o = _from_chunks(O.view(N, B, H, C, V), T, v_BTHV.dtype)
+    saved = ChunkSaved(q, k, v, beta, F, A, M, X, v_new.view(N, B, H, C, V), transition, S)
+    return o, S_final, saved
+
+
+def kda_chunk_bwd(
+    do_BTHV: Tensor,
+    dstate_BHKV: Tensor,
+    saved: ChunkSaved,
+    q_BTHK: Tensor,
+    k_BTHK: Tensor,
+    v_BTHV: Tensor,
+    g_BTHK: Tensor,
+    beta_BTH: Tensor,
+    scale: float | None = None,
+    initial_state_BHKV: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
+    """Gradients (dq, dk, dv, dg, dbeta, dinitial_state or None) of `kda_chunk_fwd`, from what it saved.
+
+    The state gradient runs backward through the chunks, dS_in = T^T dS_out + ((Gamma*Q) - A_qk W)^T dO,
+    one matmul-add per chunk; everything else is batched over all chunks. Every decay factor is exp(+G_i)
+    or exp(-G_i) times q_i or k_i, so the gradient w.r.t. G is q dq + k (dk_plus - dk_minus), with dk split
+    by the sign of the exponent it came through, and dg is its suffix sum along the chunk. The inputs are
+    read for their shapes and dtypes only; gradients come back contiguous, in the inputs' dtypes.
+    """
+    s = saved
+    N, B, H, C, K = s.q.shape
+    V = s.v.shape[-1]
+    scale = K**-0.5 if scale is None else scale
+    decay_in, decay_out = s.decay[0], s.decay[1]
+    dO = _to_chunks(do_BTHV, C, s.q.dtype).mul_(scale)
+    A_qk, A_kk = s.A
+    W = s.X[..., :K]
+
+    # The state gradient, chunk by chunk backwards: dS[n] is w.r.t. the state leaving chunk n.
+    aT_dO = A_qk.mT @ dO
+    from_out = _flat(s.q * decay_in).mT @ _flat(dO)
+    from_out.baddbmm_(_flat(W).mT, _flat(aT_dO), alpha=-1)
+    from_out = from_out.unflatten(0, (N, B, H))
+    dS = s.S.new_empty(N, B, H, K, V)
+    dS[-1].copy_(dstate_BHKV)
+    for n in range(N - 1, 0, -1):
+        torch.baddbmm(_flat(from_out[n]), _flat(s.transition[n]).mT, _flat(dS[n]), out=_flat(dS[n - 1]))
+    dS0 = torch.baddbmm(_flat(from_out[0]), _flat(s.transition[0]).mT, _flat(dS[0])).unflatten(0, (B, H))
+
+    # Through V' = U - W S, O and the state update, for all chunks at once.
+    d_vnew = torch.baddbmm(_flat(aT_dO), _flat(s.k * decay_out), _flat(dS)).unflatten(0, (N, B, H))
+    dk_minus = (s.v_new @ dS.mT).mul_(decay_out)  # via Kc = k Gamma_{i->C}
+    dG_last = (dk_minus * s.k).sum(-2) + (s.S * dS).sum(-1) * decay_in[..., -1, :]
+    dA = s.A.new_empty(s.A.shape)
+    torch.matmul(dO, s.v_new.mT, out=dA[0])
+    dq = (dO @ s.S.mT).mul_(decay_in)
+    # Through X = M Y, Y = Diag(beta) [Gamma*K | V]: dY = M^T dX, dL = -dY X^T (L = Diag(beta) A_kk).
+    # dX = [-dV' S^T | dV'] and both products are taken with its negative, neg_dX.
+    neg_dX = d_vnew.new_empty(N, B, H, C, K + V)
+    torch.matmul(d_vnew, s.S.mT, out=neg_dX[..., :K])
+    torch.neg(d_vnew, out=neg_dX[..., K:])
+    neg_dY = s.M.mT @ neg_dX
+    dL = neg_dY @ s.X.mT
+    torch.mul(dL, s.beta, out=dA[1])
+    neg_dY_k = neg_dY[..., :K].mul_(decay_in)  # minus the gradient w.r.t. Gamma*K, before beta
+    dbeta = (dL * A_kk).sum(-1, keepdim=True) - (neg_dY_k * s.k).sum(-1, keepdim=True)
+    dbeta -= (neg_dY[..., K:] * s.v).sum(-1, keepdim=True)
+    dk_plus = neg_dY_k.mul_(s.beta).neg_()
+    dv = neg_dY[..., K:].mul_(s.beta).neg_()
+
+    base, *levels = _score_pieces(s.decay)
+    for piece in levels:
+        _score_piece_backward(s.q, s.k, piece, dA, dq, dk_plus, dk_minus)
+    dG = dq * s.q
+    dG.addcmul_(dk_plus.sub_(dk_minus), s.k)
+    dG[..., -1, :] += dG_last
+    dk = dk_plus.add_(dk_minus, alpha=2)  # (dk_plus - dk_minus) + 2 dk_minus
+    dg = dG.flip(-2).cumsum(-2).flip(-2)  # G = cumsum(g) along the chunk
+    # The base blocks go through D, the cumsum within each block: their share of dg is summed within the
+    # block only (summed over the chunk it is the same in exact arithmetic, since rows and columns cancel
+    # per block, but picks up the rounding of every later block). The floor's gradient is taken as 1: the
+    # terms it would zero are below exp(floor) anyway.
+    row_op, d_row, col_op, d_col = _score_piece_backward(s.q, s.k, base, dA, dq, dk, dk)
+    dD = (row_op * d_row).unflatten(-2, (2, -1)).sum(-3).addcmul_(col_op, d_col, value=-1)
+    dg += dD.flip(-2).cumsum(-2).flip(-2).flatten(-3, -2)
+
+    T = q_BTHK.shape[1]
+    grads = [_from_chunks(x, T, like.dtype) for x, like in ((dq, q_BTHK), (dk, k_BTHK), (dv, v_BTHV), (dg, g_BTHK))]
+    grads.append(_from_chunks(dbeta, T, beta_BTH.dtype)[..., 0])
+    grads.append(None if initial_state_BHKV is None else dS0.to(initial_state_BHKV.dtype))
+    return tuple(grads)
 
 
 def kda_chunk_ref(
@@ -194,58 +479,9 @@ def kda_chunk_ref(
     initial_state_BHKV: Tensor | None = None,
     chunk_size: int = 64,
 ) -> tuple[Tensor, Tensor]:
-    """Chunkwise-parallel KDA (UT transform): (o_BTHV in v's dtype, final state in the compute dtype).
-
-    Per chunk (C tokens, Gamma = exp of the in-chunk cumulative log decay G):
-      X = [W | U] = (I + A_kk)^-1 Diag(beta) [Gamma*K | V]   (A_kk strictly lower, rows scaled by beta)
-      pseudo-values V' = U - W S;  O = (Gamma*Q) S + A_qk V';  S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V'.
-    Everything that does not depend on the carried state is computed for all chunks at once; the chunk
-    loop is a single matmul-add per chunk, S <- (Diag(gamma_C) - Kc^T W) S + Kc^T U. T is zero-padded
-    to a multiple of C inside (padded tokens have k = 0, g = 0, so they leave the state alone).
-    """
-    if chunk_size < 1 or chunk_size & (chunk_size - 1):
-        raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
-    dtype = _compute_dtype(q_BTHK)
-    B, T, H, K = q_BTHK.shape
-    V = v_BTHV.shape[-1]
-    C = chunk_size
-    N = -(-T // C)
-    pad = N * C - T
-    scale = K**-0.5 if scale is None else scale
-
-    def chunks(x: Tensor) -> Tensor:  # [B, T, H, X] -> [B, H, N, C, X]
-        x = F.pad(x.to(dtype), (0, 0, 0, 0, 0, pad))
-        return x.permute(0, 2, 1, 3).unflatten(2, (N, C)).contiguous()
-
-    q, k, v, g = chunks(q_BTHK), chunks(k_BTHK), chunks(v_BTHV), chunks(g_BTHK)
-    beta = chunks(beta_BTH[..., None])  # [B, H, N, C, 1]
-    G = g.cumsum(-2)
-    G_last = G[..., -1:, :]  # [B, H, N, 1, K]
-
-    A_qk, A_kk = _intra_chunk_scores(q, k, g, G)
-    decay_in = _decay(G)  # Gamma: decay from the chunk start to each token
-    eye = torch.eye(C, dtype=dtype, device=q.device).expand_as(A_kk)
-    # (I + Diag(beta) A_kk)^-1 through one batched triangular solve against I (faster on CPU than
-    # solving against the wide right-hand side), then X = [W | U] = M Diag(beta) [Gamma*K | V].
-    inverse = torch.linalg.solve_triangular(beta * A_kk, eye, upper=False, unitriangular=True)
-    X = inverse @ (beta * torch.cat([k * decay_in, v], dim=-1))
-
-    k_to_end = (k * _decay(G_last - G)).transpose(-1, -2)  # (Gamma_{i->C} * K)^T, [B, H, N, K, C]
-    kW, inject = (k_to_end @ X).split([K, V], dim=-1)  # Kc^T W, Kc^T U: [B, H, N, K, K], [B, H, N, K, V]
-    transition = torch.diag_embed(_decay(G_last[..., 0, :])) - kW
-
-    S = _initial_state(q_BTHK, v_BTHV, initial_state_BHKV, dtype)
-    starts = []
-    # unbind once (not inject[:, :, n]): its backward is one stack, not N full-size zero-filled grads.
-    for inject_n, transition_n in zip(inject.flatten(0, 1).unbind(1), transition.flatten(0, 1).unbind(1)):
-        starts.append(S)
-        S = torch.baddbmm(inject_n, transition_n, S.flatten(0, 1)).unflatten(0, (B, H))
-    S_start = torch.stack(starts, dim=2)
-
-    AW, AU = (A_qk @ X).split([K, V], dim=-1)  # O = (Gamma*Q - A_qk W) S + A_qk U
-    o = scale * ((q * decay_in - AW) @ S_start + AU)
-    o = o.flatten(2, 3)[:, :, :T].permute(0, 2, 1, 3)
-    return o.to(v_BTHV.dtype), S
+    """Chunked KDA forward only: (o_BTHV in v's dtype, final state in the compute dtype); see kda_chunk_fwd."""
+    o, S, _ = kda_chunk_fwd(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, scale, initial_state_BHKV, chunk_size)
+    return o, S
 
 
 def gate_dtype(f: Tensor) -> torch.dtype:

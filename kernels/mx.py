@@ -203,7 +203,12 @@ def mx_linear_ref(
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXP_MASK = 0x7F800000  # fp32 exponent field
-_HALF_ULP_SUBNORMAL = 0x00400000  # bits of 2^-127: the one E8M0 scale below fp32's normals
+_TWO_POW_M127 = 0x00400000  # bits of 2^-127, the one E8M0 scale below fp32's normals
+_CHUNK = 1 << 18  # elements per rounding pass: a bounded int32 scratch (fresh pages cost), few passes
+# Decoding tables, payload byte -> fp32 values: the e2m1 pair (low nibble, high nibble), or the fp8 value.
+_BYTES = torch.arange(256, dtype=torch.uint8)
+_DECODE = {"e2m1": decode_e2m1(unpack_e2m1(_BYTES)).view(256, 2).float()}
+_DECODE.update({fmt: _BYTES.view(dt).float() for fmt, dt in _FP8_DTYPES.items()})
 
 
 def _f32(bits: Tensor) -> Tensor:
@@ -213,37 +218,53 @@ def _f32(bits: Tensor) -> Tensor:
 
 def _e8m0_factor(b: Tensor) -> Tensor:
     """fp32 2^(b - 127) for E8M0 bytes b (int32), NaN for 0xFF; exact, 2^-127 included."""
-    bits = torch.where(b == 0, _HALF_ULP_SUBNORMAL, b << 23)
+    bits = torch.where(b == 0, _TWO_POW_M127, b << 23)
     return torch.where(b == E8M0_NAN, torch.nan, _f32(bits))
 
 
-def _fast_elements(x: Tensor, f: MXFormat, block: int) -> tuple[Tensor, Tensor]:
-    """(element values [..., nb, block] fp32 on the element grid, signed; scale bytes int32 [..., nb, 1]).
+def _fast_scales(xb: Tensor, f: MXFormat) -> tuple[Tensor, Tensor]:
+    """E8M0 bytes (int32, 0xFF for NaN/Inf blocks) and 2^-shared of fp32 blocks xb [..., nb, block].
 
-    Same numbers as the reference because every step is exact in fp32 (x is fp32-representable):
-    - scale byte: with E the exponent field of amax, floor(log2 amax) = E - 127 for normal amax, and
-      byte = shared + 127 = max(E - emax, 0) (a subnormal or zero amax clamps to 0; E <= 254 keeps
-      the byte <= 252, so the upper clamp never fires for fp32);
-    - m = x * 2^-shared: -shared is in [-125, 127], a normal power of two, so the product is exact
-      unless |m| < 2^-126, far below half the smallest element step, where both round to a signed 0;
-    - 1/ulp = 2^(mbits - max(floor(log2|m|), emin)) from m's exponent bits (a normal power of two);
-      m / ulp is exact, torch.round is half-to-even, dividing back is exact; |m| < 2^(emax+1), and
-      clamping to +-max before rounding saturates exactly as clamping after it does.
-    NaN/Inf blocks get byte 0xFF and +0 elements, as in the reference. In-place ops keep it to two
-    full-size buffers (CPU elementwise ops here are memory-bound).
+    With E the exponent field of amax, floor(log2 amax) = E - 127 for a normal amax, so the byte
+    shared + 127 = max(E - emax, 0): a subnormal or zero amax clamps to 0, and E <= 254 keeps the byte
+    <= 252 (the upper clamp never fires for fp32). 2^-shared = 2^(127 - byte) is a normal fp32.
     """
-    xb = x.to(torch.float32).unflatten(-1, (-1, block))
     amax = torch.maximum(xb.amax(dim=-1, keepdim=True), xb.amin(dim=-1, keepdim=True).neg_())  # NaN propagates
-    special = ~torch.isfinite(amax)
-    b = ((amax.view(torch.int32) >> 23) - f.emax).clamp_(min=0)
-    inv_x = _f32((254 - b.clamp_(max=252)) << 23)  # 2^-shared
-    b.masked_fill_(special, E8M0_NAN)
-    m = xb.mul_(inv_x) if x.dtype != torch.float32 else xb * inv_x  # xb is a fresh copy unless fp32
-    m.masked_fill_(special, 0.0).clamp_(-f.max, f.max)
-    inv_ulp = m.view(torch.int32) & _EXP_MASK
-    inv_ulp.clamp_(min=(f.emin + 127) << 23).neg_().add_((254 + f.mbits) << 23)
-    inv_ulp = _f32(inv_ulp)
-    return m.mul_(inv_ulp).round_().div_(inv_ulp), b
+    b = ((amax.view(torch.int32) >> 23) - f.emax).clamp_(0, 252)
+    inv_scale = _f32((254 - b) << 23)  # finite junk for NaN/Inf blocks, whose elements the callers discard
+    return b.masked_fill_(~torch.isfinite(amax), E8M0_NAN), inv_scale
+
+
+def _round_to_grid_(m: Tensor, f: MXFormat) -> Tensor:
+    """Round contiguous fp32 m (|m| <= max) in place to the element grid, ties to even, subnormals kept.
+
+    ulp = 2^(max(floor(log2|m|), emin) - mbits) is m's exponent field (as a float, 2^floor(log2|m|)) raised
+    to 2^emin and scaled: a normal power of two. So m / ulp is exact (bar fp32 underflow of values that
+    round to a signed 0 either way), torch.round is half-to-even, and times ulp is exact: one rounding.
+    """
+    flat = m.view(-1)
+    scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.int32, device=m.device)
+    for start in range(0, flat.numel(), _CHUNK):
+        v = flat[start : start + _CHUNK]
+        ulp = _f32(torch.bitwise_and(v.view(torch.int32), _EXP_MASK, out=scratch[: v.numel()]))
+        ulp.clamp_(min=2.0**f.emin).mul_(2.0**-f.mbits)
+        v.div_(ulp).round_().mul_(ulp)
+    return m
+
+
+def _fast_elements(x: Tensor, f: MXFormat, block: int) -> tuple[Tensor, Tensor]:
+    """(element values [..., nb, block] fp32 on the grid, signed; E8M0 bytes int32 [..., nb, 1]).
+
+    Exact in fp32 because x is fp32-representable: m = x * 2^-shared with -shared in [-125, 127] is exact
+    unless |m| < 2^-126, far below half the smallest element step, where both round to the same signed 0;
+    |m| < 2^(emax+1), and saturating to +-max before rounding gives what saturating after it does.
+    Elements of NaN/Inf blocks are junk: the callers zero (payload) or NaN (fake-quant) the whole block.
+    """
+    xf = x.to(torch.float32).contiguous()
+    xb = xf.unflatten(-1, (-1, block))
+    b, inv_scale = _fast_scales(xb, f)
+    m = xb * inv_scale if xf is x else xb.mul_(inv_scale)  # xf is a fresh copy unless x was contiguous fp32
+    return _round_to_grid_(m.clamp_(-f.max, f.max), f), b
 
 
 def _e2m1_codes_fast(q: Tensor) -> Tensor:
@@ -263,18 +284,13 @@ def mx_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tens
     if x.dtype not in FAST_DTYPES:
         return mx_quantize_ref(x, fmt, block)
     q, b = _fast_elements(x, f, block)
+    finite = b != E8M0_NAN  # NaN/Inf blocks get an all-zero payload
     scale = b.squeeze(-1).to(torch.uint8)
-    q = q.flatten(-2)
     if f.bits == 4:
-        codes = _e2m1_codes_fast(q)
-        return (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8), scale
-    return q.to(_FP8_DTYPES[fmt]), scale
-
-
-def _e2m1_values_fast(data: Tensor) -> Tensor:
-    """fp32 values [..., n] of packed e2m1 bytes [..., n/2] (inverse of `_e2m1_codes_fast`)."""
-    c = unpack_e2m1(data).to(torch.int32)
-    return _f32(((c & 0x8) << 28) | ((c & 0x7) << 22)) * 2.0**126
+        return pack_e2m1(_e2m1_codes_fast(q).mul_(finite).flatten(-2).to(torch.uint8)), scale
+    data = q.to(_FP8_DTYPES[fmt])
+    data.view(torch.uint8).mul_(finite)
+    return data.flatten(-2), scale
 
 
 def mx_dequantize_fast(
@@ -288,11 +304,8 @@ def mx_dequantize_fast(
     if dtype not in FAST_DTYPES:
         return mx_dequantize_ref(data, scale, fmt, block, dtype)
     mx_dequant_meta(data.shape, scale.shape, fmt, block)
-    if mx_format(fmt).bits == 4:
-        elems = _e2m1_values_fast(data)
-    else:
-        raw = data.view(_FP8_DTYPES[fmt]) if data.dtype == torch.uint8 else data
-        elems = raw.to(torch.float32)
+    byte = data.view(torch.uint8).reshape(-1).to(torch.int32)
+    elems = _DECODE[fmt].to(data.device).index_select(0, byte).view(*data.shape[:-1], -1)  # a gather beats casts
     factor = _e8m0_factor(scale.to(torch.int32).unsqueeze(-1))
     return (elems.unflatten(-1, (-1, block)) * factor).flatten(-2).to(dtype)
 
@@ -300,7 +313,7 @@ def mx_dequantize_fast(
 def mx_fake_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> Tensor:
     """`mx_fake_quantize_ref` with the same bits in one fp32 pass (no packed payload), for QAT.
 
-    Element value times 2^shared is exact in fp32 (see `mx_dequantize_fast`); NaN/Inf blocks: +0 * NaN.
+    Element value times 2^shared is exact in fp32 (see `mx_dequantize_fast`); NaN/Inf blocks give NaN.
     """
     f = check_mx_shape(x.shape[-1], fmt, block)
     if x.dtype not in FAST_DTYPES:

@@ -25,6 +25,7 @@ K3 = torch.ops.k3
 LINEARS = (F.linear, torch._C._nn.linear)
 MATMULS = (torch.matmul, operator.matmul, torch.bmm)
 TRANSPOSES = ("transpose", "t", "mT")
+VIEWS = (torch.unflatten,)  # shard_experts' rank-major view [ep, E/ep, ...] of stacked expert weights
 
 
 def _rule(ctx: PassContext, module: str):
@@ -41,18 +42,27 @@ def _formats(ctx: PassContext, weight: str) -> tuple[str, str]:
     return (rule.weight, rule.activation) if rule else (q.default_weight, q.default_activation)
 
 
+def _readers(value: fx.Node):
+    """(user, the node it reads) for each use of `value`, looking through shard_experts' rank-major views."""
+    for user in value.users:
+        if user.op == "call_function" and user.target in VIEWS and user.args[0] is value:
+            yield from _readers(user)
+        else:
+            yield user, value
+
+
 def _weight_consumers(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
     """(matmul-like node, the value it reads the weight through) for every use of a weight node."""
     out = []
-    for user in node.users:
-        if user.op == "call_function" and user.target in LINEARS and user.args[1] is node:
-            out.append((user, node))
+    for user, via in _readers(node):
+        if user.op == "call_function" and user.target in LINEARS and user.args[1] is via:
+            out.append((user, via))
         elif (user.op == "call_method" and user.target in TRANSPOSES) or (
             user.op == "call_function" and user.target in (torch.transpose,)
         ):
-            for mm in user.users:
-                if mm.op == "call_function" and mm.target in MATMULS and mm.args[1] is user:
-                    out.append((mm, user))
+            for mm, t in _readers(user):
+                if mm.op == "call_function" and mm.target in MATMULS and mm.args[1] is t:
+                    out.append((mm, t))
     return out
 
 
@@ -105,8 +115,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
         with gm.graph.inserting_before(node):
             d = gm.graph.get_attr(data_name)
             s = gm.graph.get_attr(scale_name)
-        for mm, _ in consumers:
-            if mm.target in LINEARS:
+        for mm, via in consumers:
+            if mm.target in LINEARS and via is node:
                 with gm.graph.inserting_before(mm):
                     new = gm.graph.call_function(K3.mx_linear.default, (mm.args[0], d, s, element, block, None))
                 mm.replace_all_uses_with(new)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import sys
 import types
 
 from torch import fx
@@ -25,6 +26,14 @@ def spec_hash(spec: Spec) -> str:
     return hashlib.sha256(spec_json(spec).encode()).hexdigest()
 
 
+def _importable(obj) -> bool:
+    """`from obj.__module__ import obj.__qualname__` is valid and gives back obj (no lambdas, locals, methods)."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if not module or not qualname or not qualname.isidentifier():
+        return False
+    return getattr(sys.modules.get(module), qualname, None) is obj
+
+
 def _imports(globals_: dict) -> list[str]:
     """Import lines for the names fx's generated code refers to."""
     lines = []
@@ -39,7 +48,7 @@ def _imports(globals_: dict) -> list[str]:
             continue
         elif isinstance(obj, types.ModuleType):
             lines.append(f"import {obj.__name__}" + ("" if obj.__name__ == name else f" as {name}"))
-        elif callable(obj) and getattr(obj, "__module__", None) and getattr(obj, "__qualname__", None):
+        elif callable(obj) and _importable(obj):
             lines.append(f"from {obj.__module__} import {obj.__qualname__} as {name}")
         else:
             raise ValueError(f"generated code needs {name!r}, which cannot be imported")
@@ -48,6 +57,9 @@ def _imports(globals_: dict) -> list[str]:
 
 def graph_method(gm: fx.GraphModule, method: str) -> tuple[str, list[str]]:
     """The graph as a method body named `method`, and the imports it needs."""
+    calls = [str(n.target) for n in gm.graph.nodes if n.op == "call_module"]
+    if calls:  # emitted modules rebuild only parameters and buffers, not submodules' code
+        raise ValueError(f"graph still calls submodules ({', '.join(calls[:3])}); inline them before emitting")
     code = gm.graph.python_code(root_module="self")
     src = code.src.strip("\n").replace("def forward(self,", f"def {method}(self,", 1)
     body = "\n".join(("    " + line) if line.strip() else "" for line in src.splitlines())

@@ -19,6 +19,12 @@ def is_build_dir(path: Path) -> bool:
     return (path / MARKER).is_file()
 
 
+def check_dest(dest: Path) -> None:
+    """Raise BuildDirError unless `dest` is absent or a previous build (safe to replace)."""
+    if dest.exists() and not is_build_dir(dest):
+        raise BuildDirError(f"{dest} exists and is not a k3compile build; refusing to overwrite it")
+
+
 def write_package(dest: Path, files: dict[str, bytes], marker: dict) -> Path:
     """Write `files` (relative path -> bytes) as directory `dest`, all or nothing.
 
@@ -26,10 +32,12 @@ def write_package(dest: Path, files: dict[str, bytes], marker: dict) -> Path:
     existing `dest` is replaced only if it carries the build marker.
     """
     dest = Path(dest)
-    if dest.exists() and not is_build_dir(dest):
-        raise BuildDirError(f"{dest} exists and is not a k3compile build; refusing to overwrite it")
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    check_dest(dest)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    except OSError as e:
+        raise BuildDirError(f"cannot write {dest}: {e.strerror or e}") from e
     old = None
     try:
         for rel, data in sorted(files.items()):

@@ -27,7 +27,15 @@ def _kda_fake(q, k, v, g, beta, scale, initial_state, *rest):
     return v.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=_state_dtype(q))
 
 
-@k3_op("kda_chunk", fake=_kda_fake, differentiable=_DIFF)
+def _chunk_fake(q, k, v, g, beta, scale, initial_state, chunk_size):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    dtype = _state_dtype(q)
+    saved = [q.new_empty(s, dtype=dtype) for s in ref.chunk_saved_shapes(B, T, H, K, V, chunk_size)]
+    return [v.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=dtype), *saved]
+
+
+@k3_op("kda_chunk", fake=_chunk_fake)
 def kda_chunk_op(
     q: Tensor,
     k: Tensor,
@@ -37,9 +45,51 @@ def kda_chunk_op(
     scale: float | None,
     initial_state: Tensor | None,
     chunk_size: int,
-) -> tuple[Tensor, Tensor]:
-    o, S = ref.kda_chunk_ref(q, k, v, g, beta, scale, initial_state, chunk_size)
-    return o.contiguous(), S
+) -> list[Tensor]:
+    """[o, final state, *ChunkSaved]: the saved tensors are outputs so that the backward reuses them."""
+    o, S, saved = ref.kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, chunk_size)
+    return [o, S, *saved]
+
+
+def _chunk_bwd_fake(do, dstate, saved, q, k, v, g, beta, scale, initial_state):
+    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)]
+    return grads + [q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)]
+
+
+@k3_op("kda_chunk_bwd", fake=_chunk_bwd_fake)
+def kda_chunk_bwd_op(
+    do: Tensor,
+    dstate: Tensor,
+    saved: list[Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    scale: float | None,
+    initial_state: Tensor | None,
+) -> list[Tensor]:
+    """[dq, dk, dv, dg, dbeta, dinitial_state (empty without one)], hand-derived (kernels.kda.kda_chunk_bwd)."""
+    grads = ref.kda_chunk_bwd(do, dstate, ref.ChunkSaved(*saved), q, k, v, g, beta, scale, initial_state)
+    return [*grads[:5], q.new_empty(0) if grads[5] is None else grads[5]]
+
+
+def _chunk_setup_context(ctx, inputs, output):
+    q, k, v, g, beta, scale, initial_state, _ = inputs
+    ctx.scale = scale
+    ctx.mark_non_differentiable(*output[2:])
+    ctx.save_for_backward(q, k, v, g, beta, initial_state, *output[2:])
+
+
+def _chunk_backward(ctx, grads):
+    do, dstate = grads[:2]  # the saved tensors' grads are unused
+    q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
+    grads = torch.ops.k3.kda_chunk_bwd.default(do, dstate, saved, q, k, v, g, beta, ctx.scale, initial_state)
+    grads = [x if need else None for x, need in zip(grads, ctx.needs_input_grad[:5] + ctx.needs_input_grad[6:7])]
+    return *grads[:5], None, grads[5] if initial_state is not None else None, None
+
+
+kda_chunk_op.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)
 
 
 @k3_op("kda_recurrent", fake=_kda_fake, differentiable=_DIFF)
@@ -96,7 +146,7 @@ def kda(
     two, T padded inside); mode "recurrent" steps token by token. Both agree to fp32 rounding.
     """
     if mode == "chunk":
-        o, S = torch.ops.k3.kda_chunk.default(q, k, v, g, beta, scale, initial_state, chunk_size)
+        o, S, *_ = torch.ops.k3.kda_chunk.default(q, k, v, g, beta, scale, initial_state, chunk_size)
     elif mode == "recurrent":
         o, S = torch.ops.k3.kda_recurrent.default(q, k, v, g, beta, scale, initial_state)
     else:

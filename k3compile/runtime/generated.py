@@ -54,6 +54,7 @@ class GeneratedModule(nn.Module):
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """Seeded, documented init (k3compile.ir.init); packed MX buffers quantise their weight's init."""
+        self._decoder = None  # an InferenceModule's decoder holds copies of the old weights
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, tuple(p.shape), self.spec))
         buffers = dict(self.named_buffers())
@@ -82,8 +83,9 @@ class TrainingModule(GeneratedModule):
 class InferenceModule(GeneratedModule):
     """Full forward through the bound graph (MX-packed weights), and prefill/decode with caches.
 
-    Prefill and decode run the eager Decoder over the same weights (packed ones dequantised
-    once); it is rebuilt whenever this module's state_dict is loaded.
+    Prefill and decode run the eager Decoder over copies of the same weights (packed ones
+    dequantised once); it is rebuilt whenever this module's state_dict is loaded or it is moved.
+    It is deliberately not a submodule: state_dict and parameters() hold only the model's own.
     """
 
     def forward(self, tokens: Tensor) -> Tensor:
@@ -101,7 +103,7 @@ class InferenceModule(GeneratedModule):
     @property
     def decoder(self) -> Decoder:
         if self._decoder is None:
-            self._decoder = self._build_decoder()
+            object.__setattr__(self, "_decoder", self._build_decoder())  # bypass submodule registration
         return self._decoder
 
     def _build_decoder(self) -> Decoder:
@@ -123,3 +125,7 @@ class InferenceModule(GeneratedModule):
     def _load_from_state_dict(self, *args, **kwargs):
         self._decoder = None
         return super()._load_from_state_dict(*args, **kwargs)
+
+    def _apply(self, fn, recurse=True):
+        self._decoder = None  # .to() / .cuda() / .double(): rebuild on the new device and dtype
+        return super()._apply(fn, recurse)

@@ -22,6 +22,27 @@ def test_ops_match_reference(fmt):
 
 
 @pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_ops_give_reference_bits_with_specials(fmt, dtype):
+    # The ops run the fast path: same bits as the float64 reference, -0, subnormals and NaN blocks included.
+    torch.manual_seed(1)
+    x = (torch.randn(4, 4, 32) * torch.exp2(torch.randint(-12, 8, (4, 4, 1)).float())).reshape(4, 128).to(dtype)
+    x[0, 3], x[1, 40], x[2, 70], x[3, :32] = float("nan"), float("-inf"), -0.0, 1e-42
+    data, scale = M.mx_quantize(x, fmt)
+    want_data, want_scale = ref.mx_quantize_ref(x, fmt, 32)
+    assert torch.equal(data.view(torch.uint8), want_data.view(torch.uint8)) and torch.equal(scale, want_scale)
+    bits = torch.int16 if dtype != torch.float32 else torch.int32
+    nan = torch.zeros_like(x, dtype=torch.bool)
+    nan[0, :32] = nan[1, 32:64] = True
+    for got, want in (
+        (M.mx_fake_quantize(x, fmt), ref.mx_fake_quantize_ref(x, fmt)),
+        (M.mx_dequantize(data, scale, fmt, 32, dtype), ref.mx_dequantize_ref(data, scale, fmt, 32, dtype)),
+    ):
+        assert torch.equal(got.isnan(), nan) and torch.equal(want.isnan(), nan)
+        assert torch.equal(got.masked_fill(nan, 0).view(bits), want.masked_fill(nan, 0).view(bits))
+
+
+@pytest.mark.parametrize("fmt", ["e2m1", "e4m3", "e5m2"])
 def test_meta_shapes_and_dtypes(fmt):
     x = torch.empty(2, 5, 64, device="meta", dtype=torch.bfloat16)
     data, scale = M.mx_quantize(x, fmt, 16)

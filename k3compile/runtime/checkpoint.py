@@ -1,0 +1,247 @@
+"""Training checkpoints: one safetensors file of tensors plus a JSON file that commits it.
+
+`DIR/step-000300.safetensors` holds every tensor (weights, all buffers, optimizer state, RNG states);
+`DIR/step-000300.json` holds the scalars (step, spec hash, data position, ...) and the file's size and CRC-32.
+Both are written to a temporary file, fsynced and renamed into place, the JSON last: a checkpoint exists only
+once its JSON does, and the previous one is deleted only after that. A truncated or corrupted file, or one
+from another model, fails with a one-line error.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import re
+import zlib
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+from torch import Tensor, nn
+
+FORMAT = "k3compile-checkpoint/1"
+_NAME = re.compile(r"^step-(\d+)\.json$")
+_MODEL, _OPTIM = "model/", "optim/"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written, read or applied; one line."""
+
+
+@dataclass
+class Checkpoint:
+    """A loaded, verified checkpoint: its tensors by key and its JSON metadata."""
+
+    path: Path  # the committing JSON file
+    step: int
+    tensors: dict[str, Tensor]
+    meta: dict
+
+
+def paths(directory: Path, step: int) -> tuple[Path, Path]:
+    """(tensor file, JSON file) of the checkpoint of `step` in `directory`."""
+    stem = f"step-{step:06d}"
+    return directory / f"{stem}.safetensors", directory / f"{stem}.json"
+
+
+def committed(directory: Path) -> list[int]:
+    """Steps with a committed checkpoint (JSON present) in `directory`, ascending."""
+    if not directory.is_dir():
+        return []
+    return sorted(int(m.group(1)) for p in directory.iterdir() if (m := _NAME.match(p.name)))
+
+
+def latest(directory: Path) -> Path | None:
+    """The JSON file of the newest committed checkpoint, or None."""
+    steps = committed(directory)
+    return paths(directory, steps[-1])[1] if steps else None
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    """Write `data` to a hidden temporary sibling, fsync it, then rename it over `path`."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        try:
+            _write_all(fd, data)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return  # platforms without directory handles
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def save(directory: Path, step: int, tensors: Mapping[str, Tensor], meta: Mapping) -> Path:
+    """Commit a checkpoint of `step`, then delete every other one; returns its JSON path.
+
+    On any failure (disk full, ...) the new files are removed, the previous checkpoint is left intact and a
+    CheckpointError says so. A step that already has a committed checkpoint keeps it unchanged.
+    """
+    directory = Path(directory)
+    tensor_path, json_path = paths(directory, step)
+    previous = latest(directory)
+    if json_path.exists():
+        return json_path
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        payload = st_save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"format": FORMAT})
+        record = {
+            "format": FORMAT,
+            **meta,
+            "step": step,
+            "tensors": tensor_path.name,
+            "bytes": len(payload),
+            "crc32": zlib.crc32(payload),
+        }
+        text = json.dumps(record, indent=1, sort_keys=True).encode()
+        _write_atomic(tensor_path, payload)
+        _write_atomic(json_path, text)
+        _fsync_dir(directory)
+    except OSError as e:
+        json_path.unlink(missing_ok=True)
+        tensor_path.unlink(missing_ok=True)
+        why = e.strerror or os.strerror(e.errno or errno.EIO)
+        kept = f"the previous checkpoint {previous.stem} is intact" if previous else "no earlier checkpoint exists"
+        raise CheckpointError(f"cannot write checkpoint {json_path.stem} in {directory}: {why}; {kept}") from None
+    for old in committed(directory):
+        if old != step:
+            for p in reversed(paths(directory, old)):  # uncommit first
+                p.unlink(missing_ok=True)
+    return json_path
+
+
+# ---------------------------------------------------------------- reading
+
+
+def load(json_path: Path) -> Checkpoint:
+    """Read and verify a checkpoint (its JSON path, or the folder holding it: the newest there)."""
+    json_path = Path(json_path)
+    if json_path.is_dir():
+        found = latest(json_path)
+        if found is None:
+            raise CheckpointError(f"no checkpoint in {json_path}")
+        json_path = found
+    where = f"checkpoint {json_path}"
+    try:
+        meta = json.loads(json_path.read_bytes())
+    except FileNotFoundError:
+        raise CheckpointError(f"{where} does not exist") from None
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{where} is corrupted (unreadable metadata: {e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CheckpointError(f"{where} is not a {FORMAT} file")
+    tensor_path = json_path.with_name(str(meta.get("tensors", "")))
+    try:
+        payload = tensor_path.read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{where}: cannot read {tensor_path.name}: {e.strerror}") from None
+    if len(payload) != meta.get("bytes"):
+        raise CheckpointError(f"{where} is truncated ({tensor_path.name} has {len(payload)} of {meta.get('bytes')} bytes)")
+    if zlib.crc32(payload) != meta.get("crc32"):
+        raise CheckpointError(f"{where} is corrupted ({tensor_path.name} fails its CRC-32 check)")
+    try:
+        tensors = st_load(payload)
+    except SafetensorError as e:
+        raise CheckpointError(f"{where} is corrupted ({e})") from None
+    return Checkpoint(json_path, int(meta["step"]), tensors, meta)
+
+
+# ---------------------------------------------------------------- model and optimizer state
+
+
+def _list(names: list[str], limit: int = 6) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" (+{len(names) - limit} more)" if len(names) > limit else "")
+
+
+def mismatches(expected: Mapping[str, tuple], found: Mapping[str, tuple]) -> str:
+    """'' when both name->shape maps agree, else one line naming the missing, unexpected and reshaped tensors."""
+    missing = [k for k in expected if k not in found]
+    unexpected = [k for k in found if k not in expected]
+    shaped = [f"{k} {list(found[k])} vs {list(expected[k])}" for k in expected if k in found and found[k] != expected[k]]
+    parts = []
+    if missing:
+        parts.append(f"missing {_list(missing)}")
+    if unexpected:
+        parts.append(f"unexpected {_list(unexpected)}")
+    if shaped:
+        parts.append(f"shape (checkpoint vs model) {_list(shaped)}")
+    return "; ".join(parts)
+
+
+def model_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """Every parameter and buffer (persistent or not: router biases and statistics included) under 'model/'."""
+    out = {f"{_MODEL}{k}": v for k, v in model.named_parameters()}
+    out.update({f"{_MODEL}{k}": v for k, v in model.named_buffers()})
+    return out
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer, names: Iterable[tuple[str, Tensor]]) -> dict[str, Tensor]:
+    """The optimizer's per-parameter state, flattened to 'optim/<param name>/<key>' (tensors only)."""
+    out = {}
+    for name, p in names:
+        for key, value in optimizer.state.get(p, {}).items():
+            if not isinstance(value, Tensor):
+                raise CheckpointError(f"optimizer state {name}/{key} is not a tensor")
+            out[f"{_OPTIM}{name}/{key}"] = value
+    return out
+
+
+@torch.no_grad()
+def restore_model(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Copy the checkpoint's weights and buffers into `model`; first fail naming every tensor that differs."""
+    live = model_tensors(model)
+    found = {k: tuple(v.shape) for k, v in ckpt.tensors.items() if k.startswith(_MODEL)}
+    problem = mismatches({k: tuple(v.shape) for k, v in live.items()}, found)
+    if problem:
+        spec = ckpt.meta.get("spec_name", "?")
+        raise CheckpointError(f"{ckpt.path} (spec {spec!r}) does not match this model: {problem.replace(_MODEL, '')}")
+    for key, t in live.items():
+        t.copy_(ckpt.tensors[key])
+
+
+def restore_optimizer(optimizer: torch.optim.Optimizer, names: list[tuple[str, Tensor]], ckpt: Checkpoint) -> None:
+    """Replace the optimizer's per-parameter state by the checkpoint's ('optim/<param name>/<key>' tensors)."""
+    params = dict(names)
+    state: dict[Tensor, dict[str, Tensor]] = {}
+    unknown = []
+    for key, value in ckpt.tensors.items():
+        if key.startswith(_OPTIM):
+            name, slot = key[len(_OPTIM) :].rsplit("/", 1)
+            if name not in params:
+                unknown.append(name)
+                continue
+            state.setdefault(params[name], {})[slot] = value.clone().to(params[name].device)
+    if unknown:
+        raise CheckpointError(f"{ckpt.path} holds optimizer state for unknown parameters: {_list(sorted(set(unknown)))}")
+    optimizer.state.clear()
+    optimizer.state.update(state)

@@ -1,0 +1,170 @@
+"""Byte-level training data: a corpus read deterministically, a train/validation split, seeded random windows.
+
+The default corpus is the Python standard library's own `.py` sources (present on every machine), read in
+sorted path order up to a cap. Any file or folder of text files may be used instead. Tokens are bytes
+(vocabulary 256); the training batches are random windows drawn from a torch.Generator whose state is part
+of a checkpoint, so a resumed run draws exactly the batches an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+import os
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+VOCAB = 256  # byte-level tokens
+DEFAULT_CORPUS_BYTES = 8 << 20  # the stdlib corpus is cut here (about 8 MB)
+MAX_DATA_BYTES = 1 << 30  # user data beyond this is cut (held in memory as one uint8 tensor)
+VAL_FRACTION = 0.05  # the last 5% of the bytes are held out
+SNIFF_BYTES = 8192  # a file is text when its first bytes hold no NUL and decode as UTF-8
+_NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
+
+
+class DataError(ValueError):
+    """Unusable training data (missing, empty, not text, too short); one line."""
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """The bytes to train on and where they came from (`source` is shown to the user and checkpointed)."""
+
+    data: bytes
+    source: str
+    files: int
+
+
+def stdlib_files() -> list[Path]:
+    """The standard library's .py files in sorted relative-path order (third-party packages excluded)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _NOT_STDLIB)
+        files += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def is_text_file(path: Path) -> bool:
+    """No NUL byte and valid UTF-8 in the first SNIFF_BYTES (a character cut at the end is allowed)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SNIFF_BYTES)
+    except OSError:
+        return False
+    if b"\0" in head:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _text_files(folder: Path) -> list[Path]:
+    """Text files under `folder` in sorted relative-path order, hidden files and folders skipped."""
+    files = []
+    for dirpath, dirnames, filenames in os.walk(folder):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        files += [Path(dirpath) / f for f in filenames if not f.startswith(".")]
+    files.sort(key=lambda p: p.relative_to(folder).as_posix())
+    return [p for p in files if p.is_file() and is_text_file(p)]
+
+
+def _read_capped(files: list[Path], cap: int) -> tuple[bytes, int]:
+    """Concatenate the files in order until `cap` bytes (the last one cut); returns (bytes, files used)."""
+    parts, size, used = [], 0, 0
+    for path in files:
+        if size >= cap:
+            break
+        try:
+            with open(path, "rb") as f:
+                chunk = f.read(cap - size)
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror}") from None
+        if chunk:
+            parts.append(chunk)
+            size += len(chunk)
+            used += 1
+    return b"".join(parts), used
+
+
+def load_corpus(path: str | Path | None = None, max_bytes: int | None = None) -> Corpus:
+    """Read the corpus: None = the stdlib sources (cut at DEFAULT_CORPUS_BYTES); a file; or a folder's text files."""
+    if path is None:
+        data, used = _read_capped(stdlib_files(), max_bytes or DEFAULT_CORPUS_BYTES)
+        source = f"python stdlib sources ({sysconfig.get_paths()['stdlib']})"
+    else:
+        path = Path(path)
+        if not path.exists():
+            raise DataError(f"no such file or folder: {path}")
+        if path.is_dir():
+            files = _text_files(path)
+            if not files:
+                raise DataError(f"{path} holds no text files")
+        else:
+            files = [path]
+        data, used = _read_capped(files, max_bytes or MAX_DATA_BYTES)
+        source = str(path)
+    if not data:
+        raise DataError(f"{source} is empty (0 bytes)")
+    return Corpus(data, source, used)
+
+
+def split(data: bytes, seq_len: int, val_fraction: float = VAL_FRACTION) -> tuple[Tensor, Tensor]:
+    """(train, validation) uint8 tensors: the last `val_fraction` of the bytes, at least one window, is held out."""
+    need = 2 * (seq_len + 1)
+    if len(data) < need:
+        raise DataError(
+            f"data has {len(data)} bytes; training at seq_len {seq_len} needs at least {need} "
+            f"(one window for training and one for validation)"
+        )
+    n_val = max(math.ceil(len(data) * val_fraction), seq_len + 1)
+    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return tokens[: len(data) - n_val], tokens[len(data) - n_val :]
+
+
+def unigram_entropy(tokens: Tensor) -> float:
+    """Entropy of the byte distribution in nats: the loss of the best model that ignores context."""
+    counts = torch.bincount(tokens.flatten().long(), minlength=VOCAB).double()
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * p.log()).sum())
+
+
+def windows(tokens: Tensor, starts: Tensor, seq_len: int) -> Tensor:
+    """int64 [len(starts), seq_len] token windows beginning at `starts`."""
+    return tokens[starts[:, None] + torch.arange(seq_len)].long()
+
+
+class Batches:
+    """Random (batch_size, seq_len) training windows from a seeded generator; `state()`/`load_state()` resume it."""
+
+    def __init__(self, tokens: Tensor, batch_size: int, seq_len: int, seed: int):
+        if tokens.numel() < seq_len + 1:
+            raise DataError(f"training split has {tokens.numel()} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def next(self) -> Tensor:
+        """The next batch of token windows, int64 [batch_size, seq_len]."""
+        high = self.tokens.numel() - self.seq_len + 1
+        starts = torch.randint(0, high, (self.batch_size,), generator=self.generator)
+        return windows(self.tokens, starts, self.seq_len)
+
+    def state(self) -> Tensor:
+        return self.generator.get_state()
+
+    def load_state(self, state: Tensor) -> None:
+        self.generator.set_state(state.to(torch.uint8))
+
+
+def eval_batches(tokens: Tensor, batch_size: int, seq_len: int, max_batches: int) -> list[Tensor]:
+    """Fixed validation batches: up to `max_batches` x `batch_size` non-overlapping windows spread evenly."""
+    count = (tokens.numel() - 1) // seq_len
+    take = min(count, batch_size * max_batches)
+    starts = (torch.arange(take) * count // take) * seq_len
+    return [windows(tokens, chunk, seq_len) for chunk in starts.split(batch_size)]

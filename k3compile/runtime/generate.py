@@ -1,0 +1,301 @@
+"""Text generation from a build: byte-level tokens, chunked prefill, then token-by-token decoding.
+
+`load_inference_model(build, checkpoint)` turns a training checkpoint into the build's
+InferenceModel (packing the MX weights); `load_decoder` also serves train-only builds.
+`generate_tokens` runs the Decoder: the prompt is prefilled in chunks (KDA chunked form,
+MLA latents written to the cache), then each new token is one recurrent step through the
+fp32 KDA state, the short-conv tails and the MLA latent cache. `stream_text` turns bytes
+into text as soon as they form valid UTF-8.
+"""
+
+from __future__ import annotations
+
+import codecs
+import math
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from types import ModuleType
+
+import torch
+from torch import Tensor
+
+from k3compile.runtime.decoder import DecodeCache, Decoder
+from k3compile.spec.schema import Spec
+
+PREFILL_CHUNK = 512  # prompt tokens per prefill call: bounds the MLA score matrix at long prompts
+BYTE_VOCAB = 256
+
+
+class GenerateError(ValueError):
+    """Bad input to generation (prompt, sampling options, build, checkpoint): one line, no traceback."""
+
+
+# ---------------------------------------------------------------- builds and checkpoints
+
+
+def load_build(build: str | Path | ModuleType) -> ModuleType:
+    """The emitted package at `build` (already imported modules pass through)."""
+    if isinstance(build, ModuleType):
+        return build
+    from k3compile.loader import load
+
+    try:
+        return load(build)
+    except FileNotFoundError as e:
+        raise GenerateError(str(e)) from None
+    except (ImportError, SyntaxError) as e:
+        raise GenerateError(f"{build}: cannot import the build ({type(e).__name__}: {e}); rebuild it") from None
+
+
+def build_spec(module: ModuleType) -> Spec:
+    """The spec a loaded build was compiled from."""
+    return Spec.model_validate_json(module.SPEC_JSON)
+
+
+def read_training_state(
+    checkpoint: str | Path, expected: dict[str, tuple[int, ...]], spec: Spec
+) -> dict[str, Tensor]:
+    """The training Model's weights (names and shapes as `expected`) from a k3compile checkpoint of `spec`.
+
+    `checkpoint` is a checkpoint's JSON or tensor file, or a folder (the newest checkpoint in it or
+    in its `checkpoints/`). Extra tensors are accepted only as more state of modules the build has
+    (the router's balancing statistics); any other difference is a one-line error.
+    """
+    from k3compile.runtime import checkpoint as ckpt_io
+
+    path = Path(checkpoint)
+    if not path.exists():
+        raise GenerateError(f"checkpoint {path} does not exist")
+    if path.suffix == ".safetensors":
+        path = path.with_suffix(".json")
+    if path.is_dir() and ckpt_io.latest(path) is None and ckpt_io.latest(path / "checkpoints") is not None:
+        path = path / "checkpoints"
+    try:
+        ckpt = ckpt_io.load(path)
+    except ckpt_io.CheckpointError as e:
+        raise GenerateError(_one_line(e)) from None
+    _check_architecture(ckpt.meta, ckpt.path, spec)
+    prefix = "model/"  # checkpoint.model_tensors' namespace for the model's parameters and buffers
+    state = {k[len(prefix) :]: v for k, v in ckpt.tensors.items() if k.startswith(prefix)}
+    modules = {k.rpartition(".")[0] for k in expected}
+    found = {k: tuple(v.shape) for k, v in state.items() if k in expected or k.rpartition(".")[0] not in modules}
+    problem = ckpt_io.mismatches(expected, found)
+    if problem:
+        raise GenerateError(
+            f"checkpoint {ckpt.path} (spec {ckpt.meta.get('spec_name', '?')!r}) does not match the build: {problem}"
+        )
+    bad = next((k for k in expected if state[k].is_floating_point() and not torch.isfinite(state[k]).all()), None)
+    if bad is not None:
+        raise GenerateError(f"checkpoint {ckpt.path} holds non-finite values in {bad}")
+    return {k: state[k] for k in expected}
+
+
+# Fields a checkpoint's weights do not depend on: serving may change them.
+_SERVING_FIELDS = {"name", "training", "quantization", "target", "parallel", "context_length"}
+
+
+def _check_architecture(meta: dict, path: Path, spec: Spec) -> None:
+    """Refuse a checkpoint whose recorded spec describes another model (same shapes, other numerics)."""
+    if not isinstance(meta.get("spec"), dict):
+        return
+    try:
+        trained = Spec.model_validate(meta["spec"]).model_dump(exclude=_SERVING_FIELDS)
+    except ValueError:
+        raise GenerateError(f"checkpoint {path} records a spec that does not validate") from None
+    built = spec.model_dump(exclude=_SERVING_FIELDS)
+    changed = sorted(k for k in built if built[k] != trained.get(k))
+    if changed:
+        raise GenerateError(
+            f"checkpoint {path} was trained on spec {meta.get('spec_name', '?')!r}, whose {', '.join(changed)} "
+            f"differ from the build's ({spec.name!r})"
+        )
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split()) or type(e).__name__
+
+
+def _training_shapes(model) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of the training state_dict an InferenceModel is packed from."""
+    packed = {p[k] for p in model.PACKED.values() for k in ("data", "scale")}
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in packed}
+    shapes.update({w: tuple(p["shape"]) for w, p in model.PACKED.items()})
+    return shapes
+
+
+@torch.no_grad()
+def pack_training_state(model, state: dict[str, Tensor]) -> dict[str, Tensor]:
+    """An InferenceModel state_dict from a training one: each packed weight MX-quantised, the rest by name."""
+    from k3compile.ops.mx import mx_quantize
+
+    targets = model.state_dict()
+    out = {}
+    for weight, pack in model.PACKED.items():
+        data, scale = mx_quantize(state[weight].float(), pack["fmt"], pack["block"])
+        out[pack["data"]] = data.view(targets[pack["data"]].dtype)
+        out[pack["scale"]] = scale.view(targets[pack["scale"]].dtype)
+    for name in targets:
+        if name not in out:
+            out[name] = state[name]
+    return out
+
+
+def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path | None = None):
+    """The build's InferenceModel (eval mode, CPU) with a training checkpoint's weights packed in.
+
+    Without a checkpoint, the seeded initial weights. Every weight in InferenceModel.PACKED
+    is MX-quantised into its `<w>_mx` / `<w>_scale` buffers; everything else is copied by name.
+    """
+    module = load_build(build)
+    if not hasattr(module, "InferenceModel"):
+        raise GenerateError(f"{build}: a train-only build has no InferenceModel; build with --mode infer or both")
+    if checkpoint is None:
+        return module.InferenceModel().eval()
+    model = module.InferenceModel(device="meta")
+    state = read_training_state(checkpoint, _training_shapes(model), model.spec)
+    model = model.to_empty(device="cpu")
+    model.load_state_dict(pack_training_state(model, state), strict=True)
+    return model.eval()
+
+
+@torch.no_grad()
+def load_decoder(build: str | Path | ModuleType, checkpoint: str | Path | None = None) -> Decoder:
+    """A Decoder for any build: through its InferenceModel when it has one, else from the training Model.
+
+    For a train-only build the weights the policy stores in MX are quantised and dequantised,
+    which is what an inference build's packing would give.
+    """
+    module = load_build(build)
+    if hasattr(module, "InferenceModel"):
+        return load_inference_model(module, checkpoint).decoder
+    from k3compile.analysis.formats import ELEMENT_OF_POLICY, is_mx
+    from k3compile.ops.mx import mx_dequantize, mx_quantize
+    from k3compile.spec.weights import weight_inventory
+
+    model = module.Model(device="meta" if checkpoint is not None else None)
+    if checkpoint is None:
+        state = model.state_dict()
+    else:
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        state = read_training_state(checkpoint, shapes, model.spec)
+    spec = model.spec
+    block = spec.quantization.block_size
+    for w in weight_inventory(spec):
+        if w.matmul and is_mx(w.format):
+            fmt = ELEMENT_OF_POLICY[w.format]
+            state[w.name] = mx_dequantize(*mx_quantize(state[w.name].float(), fmt, block), fmt, block)
+    decoder = Decoder(spec)
+    decoder.load_state_dict(state, strict=True)
+    return decoder.eval()
+
+
+# ---------------------------------------------------------------- tokens and sampling
+
+
+def encode(text: str) -> list[int]:
+    """Byte-level tokens: the UTF-8 bytes of `text`."""
+    return list(text.encode("utf-8"))
+
+
+def check_request(spec: Spec, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:
+    """Reject what cannot be generated, with one line each: empty prompt, ids, context, sampling options."""
+    if not prompt:
+        raise GenerateError("the prompt is empty: give at least one token")
+    bad = next((t for t in prompt if not 0 <= t < spec.vocab_size), None)
+    if bad is not None:
+        raise GenerateError(f"prompt token id {bad} is outside the vocabulary [0, {spec.vocab_size})")
+    if max_new_tokens < 0:
+        raise GenerateError(f"max-new-tokens must be at least 0, got {max_new_tokens}")
+    total = len(prompt) + max_new_tokens
+    if total > spec.context_length:
+        raise GenerateError(
+            f"prompt ({len(prompt)} tokens) + max-new-tokens ({max_new_tokens}) = {total} exceeds the spec's "
+            f"context_length {spec.context_length}"
+        )
+    if not (math.isfinite(temperature) and temperature >= 0):
+        raise GenerateError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not (0 < top_p <= 1):
+        raise GenerateError(f"top-p must be in (0, 1], got {top_p}")
+
+
+def top_p_filter(probs_V: Tensor, top_p: float) -> Tensor:
+    """Zero all but the smallest set of most likely tokens whose mass reaches top_p (not renormalised)."""
+    if top_p >= 1:
+        return probs_V
+    sorted_p, order = probs_V.sort(descending=True)
+    keep = (sorted_p.cumsum(-1) - sorted_p) < top_p  # the mass before a token is still short of top_p
+    return torch.zeros_like(probs_V).scatter(-1, order, sorted_p * keep)
+
+
+def sample_next(logits_V: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
+    """Greedy (first maximum) at temperature 0, else a top-p sample of softmax(logits / temperature)."""
+    logits_V = logits_V.float()
+    if temperature == 0:
+        return int(logits_V.argmax())
+    probs = top_p_filter(torch.softmax(logits_V / temperature, dim=-1), top_p)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+# ---------------------------------------------------------------- the loop
+
+
+@torch.no_grad()
+def prefill(decoder: Decoder, prompt: list[int], chunk: int = PREFILL_CHUNK) -> tuple[Tensor, DecodeCache]:
+    """Run the prompt through the decoder `chunk` tokens at a time; (logits [V] after the last token, cache)."""
+    tokens = torch.tensor([prompt], dtype=torch.long, device=decoder.embed.weight.device)
+    cache = None
+    for start in range(0, tokens.shape[1], chunk):
+        logits, cache = decoder(tokens[:, start : start + chunk], cache)
+    return logits[0, -1], cache
+
+
+@torch.no_grad()
+def decode_step(decoder: Decoder, token: int, cache: DecodeCache) -> tuple[Tensor, DecodeCache]:
+    """One recurrent step: (logits [V] of the token after `token`, the cache one token longer)."""
+    tokens = torch.tensor([[token]], dtype=torch.long, device=decoder.embed.weight.device)
+    logits, cache = decoder(tokens, cache)
+    return logits[0, -1], cache
+
+
+def generate_tokens(
+    decoder: Decoder,
+    prompt: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    chunk: int = PREFILL_CHUNK,
+    on_cache: Callable[[DecodeCache], None] | None = None,
+) -> Iterator[int]:
+    """Yield up to `max_new_tokens` new token ids, each as soon as it is chosen (seeded sampling).
+
+    The input is checked before any work; `on_cache` sees the final cache (for reporting).
+    """
+    check_request(decoder.spec, prompt, max_new_tokens, temperature, top_p)
+    if max_new_tokens == 0:
+        return
+    generator = torch.Generator().manual_seed(seed)
+    logits, cache = prefill(decoder, prompt, chunk)
+    for i in range(max_new_tokens):
+        token = sample_next(logits.cpu(), temperature, top_p, generator)
+        yield token
+        if i + 1 < max_new_tokens:
+            logits, cache = decode_step(decoder, token, cache)
+    if on_cache is not None:
+        on_cache(cache)
+
+
+def stream_text(tokens: Iterable[int], write: Callable[[str], object]) -> None:
+    """Write byte tokens as text, holding bytes back until they complete a UTF-8 character.
+
+    Invalid sequences (and a dangling partial character at the end) become U+FFFD; ids that
+    are not bytes (>= 256, possible when the vocabulary is larger) are written as U+FFFD too.
+    """
+    utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    for t in tokens:
+        text = utf8.decode(bytes([t])) if t < BYTE_VOCAB else utf8.decode(b"", final=True) + "\ufffd"
+        if text:
+            write(text)
+    text = utf8.decode(b"", final=True)
+    if text:
+        write(text)

@@ -1,0 +1,46 @@
+"""One shared build of k3-tiny (both modes) for the emit tests: a build costs seconds, so it is made once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+K3_TINY = Path(__file__).resolve().parents[2] / "specs" / "k3-tiny.yaml"
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    """Every file under `root` (hidden ones included) as relative path -> bytes."""
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="session")
+def tiny_path() -> Path:
+    return K3_TINY
+
+
+@pytest.fixture(scope="session")
+def tiny_spec():
+    from k3compile.spec.load import load_spec
+
+    return load_spec(K3_TINY)
+
+
+@pytest.fixture(scope="session")
+def tiny_build(tmp_path_factory, tiny_spec):
+    """(package dir, manifest) of `k3compile build specs/k3-tiny.yaml -o <tmp>/out`, built in-process once."""
+    from k3compile.build import build
+
+    return build(tiny_spec, tmp_path_factory.mktemp("tiny") / "out")
+
+
+@pytest.fixture(scope="session")
+def tiny_tree(tiny_build) -> dict[str, bytes]:
+    """The shared build's files, read right after it was written."""
+    return tree_bytes(tiny_build[0])
+
+
+@pytest.fixture
+def snapshot():
+    """snapshot(dir) -> {relative path: bytes} of every file under dir."""
+    return tree_bytes

@@ -1,0 +1,161 @@
+"""`k3compile build` end to end: reproducible bytes, refusing foreign directories, all-or-nothing failure, manifest."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import keyword
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from types import SimpleNamespace
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from k3compile.analysis.stats import spec_stats
+from k3compile.build import build, package_name, pipeline
+from k3compile.emit.codegen import spec_hash
+from k3compile.emit.package import BuildDirError, is_build_dir
+from k3compile.ir.pass_manager import PassFailure
+from k3compile.spec.schema import NAME_RE
+
+
+def _differences(a: dict[str, bytes], b: dict[str, bytes]) -> list[str]:
+    return sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+
+
+def test_rebuild_is_byte_identical_in_another_dir_and_over_the_same_dir(tiny_path, tiny_spec, tiny_tree, tmp_path, snapshot):
+    # another process (other hash seed) into another out dir, then this process over that same dir
+    out = tmp_path / "again"
+    env = {**os.environ, "PYTHONHASHSEED": "12345"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "k3compile.cli", "build", str(tiny_path), "-o", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    dest = out / "k3_tiny"
+    assert _differences(snapshot(dest), tiny_tree) == []
+
+    dest2, _ = build(tiny_spec, out)
+    assert dest2 == dest
+    assert _differences(snapshot(dest), tiny_tree) == []
+    assert os.listdir(out) == ["k3_tiny"]  # the replaced build and the staging dir are gone
+
+
+def test_build_writes_the_documented_files(tiny_build, tiny_tree):
+    dest, _ = tiny_build
+    assert dest.name == "k3_tiny" and is_build_dir(dest)
+    assert sorted(tiny_tree) == [
+        ".k3compile-build", "__init__.py", "graphs/infer-final.txt", "graphs/train-final.txt", "manifest.json", "model.py",
+    ]  # fmt: skip
+    assert json.loads(tiny_tree[".k3compile-build"]) == {"compiler": "0.1.0", "spec": "k3-tiny"}
+
+
+@pytest.mark.parametrize("occupant", ["foreign dir", "file"])
+def test_building_over_a_foreign_path_is_refused_and_leaves_it_untouched(cli, tiny_path, tmp_path, snapshot, occupant):
+    out = tmp_path / "out"
+    out.mkdir()
+    if occupant == "file":
+        (out / "k3_tiny").write_text("not a build\n")
+    else:
+        (out / "k3_tiny").mkdir()
+        (out / "k3_tiny" / "notes.txt").write_text("mine\n")
+    before = snapshot(out)
+    rc, stdout, err = cli("build", tiny_path, "-o", out)
+    assert rc == 2
+    assert err.count("\n") == 1 and err.startswith("error: ") and "not a k3compile build" in err
+    assert "Traceback" not in err and stdout.strip() == ""
+    assert snapshot(out) == before and os.listdir(out) == ["k3_tiny"]
+
+
+def test_refusal_happens_before_compiling(tiny_spec, tmp_path, monkeypatch):
+    (tmp_path / "k3_tiny").mkdir()
+    monkeypatch.setattr("k3compile.build.compile_graphs", lambda *a, **k: pytest.fail("compiled before refusing"))
+    with pytest.raises(BuildDirError, match="refusing to overwrite"):
+        build(tiny_spec, tmp_path)
+
+
+@pytest.fixture
+def failing_routing(monkeypatch, tmp_path):
+    """Pass 'routing' raises in infer mode, after the train graph is finished: a build failing midway.
+
+    Returns the temp dir the pass manager's reproducer goes to (redirected away from /tmp).
+    """
+    import k3compile.passes.routing as routing
+
+    original = routing.PASS.run
+
+    def run(gm, ctx):
+        if ctx.mode == "infer":
+            raise RuntimeError("injected failure")
+        return original(gm, ctx)
+
+    monkeypatch.setattr(routing, "PASS", dataclasses.replace(routing.PASS, run=run))
+    repro = tmp_path / "system-tmp"
+    repro.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(repro))
+    return repro
+
+
+def test_failed_build_leaves_nothing_behind(cli, tiny_path, tmp_path, failing_routing):
+    out = tmp_path / "out"
+    rc, _, err = cli("build", tiny_path, "-o", out)
+    assert rc == 2
+    assert err.startswith("error: pass 'routing' failed: RuntimeError: injected failure") and err.count("\n") == 1
+    assert not out.exists()  # no package, no staging dir, not even the out dir
+    (repro,) = failing_routing.iterdir()  # the reproducer is the one thing written, and only to the temp dir
+    assert repro.name.startswith("k3compile-repro-k3-tiny-")
+    assert (repro / "passes.txt").read_text().split() == ["interleave", "attn_res", "shard_experts", "routing"]
+
+
+def test_failed_rebuild_keeps_the_previous_build(tiny_build, tiny_tree, tiny_spec, tmp_path, failing_routing, snapshot):
+    out = tmp_path / "out"
+    shutil.copytree(tiny_build[0], out / "k3_tiny")
+    with pytest.raises(PassFailure, match="pass 'routing' failed"):
+        build(tiny_spec, out)
+    assert os.listdir(out) == ["k3_tiny"]
+    assert _differences(snapshot(out / "k3_tiny"), tiny_tree) == []
+
+
+def test_manifest_records_spec_stats_passes_and_bindings(tiny_build, tiny_tree, tiny_spec):
+    _, manifest = tiny_build
+    assert json.loads(tiny_tree["manifest.json"]) == json.loads(json.dumps(manifest))
+    assert manifest["spec"] == {"name": "k3-tiny", "sha256": spec_hash(tiny_spec), "fields": tiny_spec.model_dump(mode="json")}
+    assert manifest["stats"] == json.loads(json.dumps(spec_stats(tiny_spec)))
+    assert manifest["modes"] == ["train", "infer"] and manifest["target"] == "cpu"
+    assert manifest["weights"] == "initialised (seeded)"
+    declared = {p.name: set(p.statistics) for p in pipeline()}
+    moe_layers = tiny_spec.num_layers - len(tiny_spec.dense_ffn.layers)  # 7 MoE layers x 3 expert projections
+    for mode in ("train", "infer"):
+        records = {r["name"]: r for r in manifest["passes"][mode]}
+        assert list(records) == list(declared)
+        for name, r in records.items():
+            assert r["status"] == "ran" and set(r["statistics"]) == declared[name], name
+        bound = records["bind_kernels"]["statistics"]
+        bindings = manifest["bindings"][mode]
+        assert len(bindings) == bound["k3_ops"] + bound["native"]
+        assert sum(row["nodes"] for row in manifest["binding_table"][mode]) == len(bindings)
+        k3 = [b for b in bindings.values() if b["op"].startswith("k3::")]
+        assert len(k3) == bound["k3_ops"] and {b["impl"] for b in k3} == {"torch"}
+        assert {b["reason"] for b in k3} == {"PyTorch reference on CPU"}
+        assert records["routing"]["statistics"]["drop_free"] == (moe_layers if mode == "infer" else 0)
+    train, infer = ({r["name"]: r["statistics"] for r in manifest["passes"][m]} for m in ("train", "infer"))
+    assert train["pack_mxfp4"]["weights_fake_quantized"] == 3 * moe_layers and train["pack_mxfp4"]["weights_packed"] == 0
+    assert infer["pack_mxfp4"]["weights_packed"] == 3 * moe_layers and infer["pack_mxfp4"]["weights_fake_quantized"] == 0
+
+
+@pytest.mark.parametrize(
+    "name, package", [("k3-tiny", "k3_tiny"), ("a.b-c", "a_b_c"), ("1b", "k3_1b"), ("class", "k3_class"), ("None", "k3_None")]
+)
+def test_package_name_is_an_importable_identifier(name, package):
+    assert package_name(SimpleNamespace(name=name)) == package
+
+
+@given(st.from_regex(NAME_RE, fullmatch=True))
+def test_every_valid_spec_name_gives_an_importable_package(name):
+    package = package_name(SimpleNamespace(name=name))
+    assert package.isidentifier() and not keyword.iskeyword(package)

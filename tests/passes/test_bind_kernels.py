@@ -1,0 +1,116 @@
+"""bind_kernels: every op node records its implementation; cpu binds the references, GPU targets say why not."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from k3compile.ir.pass_manager import PassContext
+from k3compile.kernels import binding
+from k3compile.passes import bind_kernels
+from k3compile.passes.bind_kernels import op_name
+
+OP_KINDS = ("call_function", "call_method")
+
+
+def op_nodes(gm):
+    return [n for n in gm.graph.nodes if n.op in OP_KINDS]
+
+
+def is_k3(node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return schema is not None and schema.name.startswith("k3::")
+
+
+@pytest.fixture(scope="module")
+def rebound(tiny_spec, tiny_build):
+    """The k3-tiny infer graph bound again for h200 (bind_kernels reads only the target)."""
+    gm = copy.deepcopy(tiny_build["infer"].gm)
+    stats = bind_kernels.run(gm, PassContext(tiny_spec, "infer", "h200"))
+    return gm, stats
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_every_op_node_is_bound_on_cpu(tiny_build, record, mode):
+    gm = tiny_build[mode].gm
+    ops = op_nodes(gm)
+    k3 = [n for n in ops if is_k3(n)]
+    assert k3 and len(k3) < len(ops)
+    for n in gm.graph.nodes:
+        kernel = n.meta.get("kernel")
+        if n.op not in OP_KINDS:
+            assert kernel is None, n.name
+        elif is_k3(n):
+            assert kernel == {"op": n.target._schema.name, "impl": "torch", "reason": "PyTorch reference on CPU"}
+        else:
+            assert kernel["impl"] == "native" and kernel["op"].startswith("torch.") and kernel["reason"], n.name
+    stats = record(mode, "bind_kernels").statistics
+    assert stats == {"k3_ops": len(k3), "triton": 0, "reference": len(k3), "native": len(ops) - len(k3)}
+
+
+def test_h200_records_the_reason_for_each_fallback(rebound):
+    gm, stats = rebound
+    k3 = [n for n in op_nodes(gm) if is_k3(n)]
+    seen = set()
+    for n in k3:
+        kernel = n.meta["kernel"]
+        op = n.target._schema.name.removeprefix("k3::")
+        seen.add(op)
+        if op in binding.TRITON_KERNELS:
+            assert kernel["impl"] == f"triton:{binding.TRITON_KERNELS[op]}" and isinstance(kernel["config"], dict)
+        else:
+            assert kernel == {"op": f"k3::{op}", "impl": "torch", "reason": f"no Triton kernel for k3::{op} yet"}
+    assert {"mx_dequantize", "attn_res", "kda_chunk", "moe_dispatch"} <= seen
+    assert stats["k3_ops"] == len(k3) == stats["triton"] + stats["reference"]
+
+
+def test_h200_binds_a_registered_triton_kernel(tiny_spec, tiny_build, monkeypatch):
+    monkeypatch.setitem(binding.TRITON_KERNELS, "rms_norm", "rms_norm_fwd")
+    gm = copy.deepcopy(tiny_build["train"].gm)
+    stats = bind_kernels.run(gm, PassContext(tiny_spec, "train", "h200"))
+    norms = [n for n in gm.graph.nodes if n.target is torch.ops.k3.rms_norm.default]
+    assert norms and stats["triton"] == len(norms)
+    for n in norms:
+        kernel = n.meta["kernel"]
+        assert kernel["impl"] == "triton:rms_norm_fwd" and kernel["reason"] == ""
+        assert kernel["config"] == binding.launch_configs("h200").get("rms_norm_fwd", {})
+    cpu = bind_kernels.run(gm, PassContext(tiny_spec, "train", "cpu"))  # cpu always binds the references
+    assert cpu["triton"] == 0 and norms[0].meta["kernel"]["impl"] == "torch"
+
+
+def test_unknown_target_is_rejected(tiny_spec, tiny_build):
+    gm = copy.deepcopy(tiny_build["train"].gm)
+    with pytest.raises(ValueError, match="unknown target 'tpu'"):
+        bind_kernels.run(gm, PassContext(tiny_spec, "train", "tpu"))
+
+
+def test_op_names():
+    g = torch.fx.Graph()
+    x = g.placeholder("x")
+    k3 = g.call_function(torch.ops.k3.rms_norm.default, (x, x, 1e-5))
+    fn = g.call_function(torch.sigmoid, (k3,))
+    method = g.call_method("transpose", (fn, 0, 1))
+    g.output(method)
+    assert op_name(k3) == ("k3", "rms_norm")
+    assert op_name(fn) == ("torch", "sigmoid")
+    assert op_name(method) == ("torch", "Tensor.transpose")
+    assert op_name(x) is None
+
+
+def test_numerics_checked_in_the_build(record):
+    for mode in ("train", "infer"):
+        r = record(mode, "bind_kernels")
+        assert r.preserves_numerics and r.max_rel_diff == 0.0  # binding only annotates nodes
+
+
+def test_every_numerics_preserving_pass_was_checked(tiny_build):
+    """The --verify-numerics build compared every numerics-preserving pass that ran, in both modes."""
+    for compiled in tiny_build.values():
+        checked = [r for r in compiled.records if r.preserves_numerics]
+        assert {r.name for r in checked} >= {"shard_experts", "fuse", "bind_kernels"}
+        for r in compiled.records:
+            assert (r.max_rel_diff is not None) == r.preserves_numerics, r.name
+            if r.preserves_numerics:
+                assert r.status == "ran" and r.max_rel_diff <= 1e-5, r.name

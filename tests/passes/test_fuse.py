@@ -1,0 +1,157 @@
+"""fuse: each pattern fires exactly where its unfused form occurs, and the outputs do not change."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+
+from k3compile.build import pipeline
+from k3compile.ir.lower import FlatTracer, lower
+from k3compile.ir.pass_manager import PassContext, PassManager
+from k3compile.modules.norms import RMSNorm
+from k3compile.passes import fuse
+
+K3 = torch.ops.k3
+PASSES = pipeline()
+FUSE = [p.name for p in PASSES].index("fuse")
+
+
+def count(gm, target) -> int:
+    return sum(n.target is target for n in gm.graph.nodes)
+
+
+def around_fuse(spec, device="cpu", mode="train"):
+    """(graph before fuse, its logits, graph after fuse, its logits, fuse record); logits None on meta."""
+    lowered = lower(spec, device)
+    gm, inputs = lowered.gm, lowered.example_inputs
+    pm = PassManager(PASSES[: FUSE + 1])
+    ctx = PassContext(spec, mode, spec.target)
+    pm.run(gm, ctx, inputs, stop=FUSE)
+    norm_inputs = [n.args[0].target for n in gm.graph.nodes if n.target is K3.rms_norm.default]
+    glus = count(gm, K3.situ_glu.default) + count(gm, K3.swiglu.default)
+    with torch.no_grad():
+        before = gm(*inputs) if device != "meta" else None
+        pm.run(gm, ctx, inputs, start=FUSE)
+        after = gm(*inputs) if device != "meta" else None
+    return {"norm_inputs": norm_inputs, "glus": glus, "gm": gm, "before": before, "after": after, "record": pm.records[-1]}
+
+
+@pytest.fixture(scope="module")
+def plain(load):
+    """The plain-residual ablation: every pre-norm but the first reads a residual add."""
+    return load("ablations/no-attn-res.yaml"), around_fuse(load("ablations/no-attn-res.yaml"))
+
+
+def test_add_rms_norm_fires_on_every_residual_add(plain):
+    spec, r = plain
+    L = spec.num_layers
+    adds_into_norms = sum(t is operator.add for t in r["norm_inputs"])
+    assert adds_into_norms == 2 * L  # sites 1 .. 2L: attention and FFN pre-norms after the first, and the final norm
+    gm = r["gm"]
+    assert r["record"].statistics["add_rms_norm"] == count(gm, K3.add_rms_norm.default) == 2 * L
+    assert not any(n.target is K3.rms_norm.default and n.args[0].target is operator.add for n in gm.graph.nodes)
+    # Each fused op feeds its sublayer (output 0) and the next residual add (output 1); the final norm's sum
+    # has no later reader.
+    used = [sorted(u.args[1] for u in n.users) for n in gm.graph.nodes if n.target is K3.add_rms_norm.default]
+    assert used == [[0, 1]] * (2 * L - 1) + [[0]]
+
+
+def test_plain_outputs_unchanged_bit_for_bit(plain):
+    _, r = plain
+    assert torch.equal(r["after"], r["before"])
+
+
+def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, record):
+    n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
+    expected = len(tiny_spec.dense_layers) + n_moe  # one dense FFN + one shared-expert MLP per MoE layer
+    for mode in ("train", "infer"):
+        gm = tiny_build[mode].gm
+        fused = [n for n in gm.graph.nodes if n.target is K3.linear_glu.default]
+        assert len(fused) == expected == record(mode, "fuse").statistics["linear_glu"]
+        owners = sorted(n.args[1].target.rsplit(".", 2)[0] for n in fused)
+        assert owners == sorted(["layers.0.ffn"] + [f"layers.{i}.moe.shared_experts" for i in range(1, 8)])
+        for n in fused:
+            assert n.args[2].target == n.args[1].target.replace("gate_proj", "up_proj")
+            assert n.args[3:] == ("situ_glu", 4.0, 25.0)
+        # The routed experts run batched matmuls on stacked weights: their activation stays unfused.
+        assert count(gm, K3.situ_glu.default) == n_moe
+
+
+def test_attn_res_leaves_no_residual_add_to_fuse(record):
+    for mode in ("train", "infer"):
+        stats = record(mode, "fuse").statistics
+        assert stats["add_rms_norm"] == 0 and stats["nodes_rewritten"] == sum(
+            stats[k] for k in ("add_rms_norm", "rms_norm_gate", "linear_glu")
+        )
+
+
+def test_numerics_checked_in_the_build(record):
+    for mode in ("train", "infer"):
+        r = record(mode, "fuse")
+        assert r.preserves_numerics and r.max_rel_diff is not None and r.max_rel_diff <= 1e-5
+
+
+def test_kda_gate_is_fused_at_the_source(tiny_spec, tiny_build, record):
+    """KDA emits k3::rms_norm_gate itself, so the shipped specs leave the rms_norm_gate pattern nothing to do."""
+    gm = tiny_build["train"].gm
+    assert count(gm, K3.rms_norm_gate.default) == tiny_spec.mixers.count("K")
+    assert record("train", "fuse").statistics["rms_norm_gate"] == 0
+
+
+def test_swiglu_kind(load):
+    spec = load("ablations/swiglu.yaml")
+    r = around_fuse(spec)
+    fused = [n for n in r["gm"].graph.nodes if n.target is K3.linear_glu.default]
+    assert len(fused) == 8 and all(n.args[3] == "swiglu" for n in fused)
+    assert r["glus"] == 8 + 7  # before: 8 fusable + 7 routed-expert activations
+    assert torch.equal(r["after"], r["before"])
+
+
+def test_ungated_mlp_has_nothing_to_fuse(load):
+    spec = load("k3-tiny.yaml", "activation.kind=gelu", "activation.beta1=null", "activation.beta2=null")
+    r = around_fuse(spec, device="meta")
+    assert r["record"].statistics["linear_glu"] == 0 and count(r["gm"], K3.linear_glu.default) == 0
+
+
+# ---------------------------------------------------------------- rms_norm_gate on hand-made graphs
+
+
+class Gated(nn.Module):
+    def __init__(self, gate_first: bool = False, reuse_norm: bool = False):
+        super().__init__()
+        self.norm = RMSNorm(16)
+        self.gate = nn.Linear(16, 16, bias=False)
+        self.gate_first, self.reuse_norm = gate_first, reuse_norm
+        with torch.no_grad():
+            self.norm.weight.uniform_(0.5, 1.5, generator=torch.Generator().manual_seed(0))
+
+    def forward(self, x):
+        n, s = self.norm(x), torch.sigmoid(self.gate(x))
+        y = s * n if self.gate_first else n * s
+        return y + n if self.reuse_norm else y
+
+
+@pytest.mark.parametrize("gate_first", [False, True])
+def test_rms_norm_gate_fires_and_keeps_outputs(tiny_spec, gate_first):
+    module = Gated(gate_first)
+    gm = torch.fx.GraphModule(module, FlatTracer().trace(module))
+    x = torch.randn(2, 3, 16, generator=torch.Generator().manual_seed(1))
+    want = gm(x)
+    stats = fuse.run(gm, PassContext(tiny_spec))
+    gm.recompile()
+    assert stats["rms_norm_gate"] == 1
+    assert count(gm, K3.rms_norm_gate.default) == 1 and count(gm, K3.rms_norm.default) == 0
+    assert not any(n.target in (torch.sigmoid, operator.mul) for n in gm.graph.nodes)
+    torch.testing.assert_close(gm(x), want, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_gate_skips_a_norm_used_elsewhere(tiny_spec):
+    module = Gated(reuse_norm=True)
+    gm = torch.fx.GraphModule(module, FlatTracer().trace(module))
+    code = gm.code
+    assert fuse.run(gm, PassContext(tiny_spec))["rms_norm_gate"] == 0
+    gm.recompile()
+    assert gm.code == code

@@ -1,0 +1,196 @@
+"""pack_mxfp4: packed MX weights for inference, fake quantisation for QAT training, and equal logits."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from k3compile.analysis.formats import ELEMENT_OF_POLICY, storage_bytes
+from k3compile.analysis.memory import weight_bytes
+from k3compile.build import pipeline
+from k3compile.ir.lower import example_tokens
+from k3compile.ir.pass_manager import PassContext
+from k3compile.spec.schema import MX_FORMATS
+from k3compile.spec.weights import weight_inventory
+
+K3 = torch.ops.k3
+MX_OPS = (K3.mx_fake_quantize.default, K3.mx_dequantize.default, K3.mx_linear.default, K3.mx_quantize.default)
+NAMES = [p.name for p in pipeline()]
+UP_TO_PACK = NAMES[: NAMES.index("pack_mxfp4") + 1]
+
+
+def mx_weights(spec) -> dict:
+    return {w.name: w for w in weight_inventory(spec) if w.format in MX_FORMATS}
+
+
+def rel(a, b) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def fq_input(node) -> bool:
+    """The matmul-like `node` reads an activation fake-quantised to e4m3 (the policy's mxfp8)."""
+    x = node.args[0]
+    return x.target is K3.mx_fake_quantize.default and x.args[1:] == ("e4m3", 32)
+
+
+# ---------------------------------------------------------------- inference build (k3-tiny)
+
+
+def test_infer_replaces_mx_weights_by_packed_buffers(tiny_spec, tiny_build):
+    gm = tiny_build["infer"].gm
+    mx = mx_weights(tiny_spec)
+    assert len(mx) == 3 * 7  # gate/up/down of the routed experts of the 7 MoE layers
+    params = {n: tuple(p.shape) for n, p in gm.named_parameters()}
+    assert params == {w.name: w.shape for w in weight_inventory(tiny_spec) if w.name not in mx}
+    buffers = dict(gm.named_buffers())
+    packed = gm.meta["packed"]
+    assert set(packed) == set(mx)
+    block = tiny_spec.quantization.block_size
+    for name, w in mx.items():
+        data, scale = buffers[f"{name}_mx"], buffers[f"{name}_scale"]
+        *lead, n = w.shape
+        assert data.dtype == scale.dtype == torch.uint8
+        assert tuple(data.shape) == (*lead, n // 2)  # two e2m1 codes per byte
+        assert tuple(scale.shape) == (*lead, n // block)  # one E8M0 byte per block
+        assert data.numel() + scale.numel() == storage_bytes(w.numel, w.format, block)
+        assert packed[name] == {"data": f"{name}_mx", "scale": f"{name}_scale", "fmt": "e2m1", "block": block, "shape": list(w.shape)}
+
+
+def test_infer_statistics_equal_the_analysis(tiny_spec, record):
+    stats = record("infer", "pack_mxfp4").statistics
+    wb = weight_bytes(tiny_spec)
+    assert stats["weights_packed"] == len(mx_weights(tiny_spec))
+    assert stats["weights_fake_quantized"] == 0
+    assert stats["bytes_saved"] == wb["bf16"] - wb["policy"] == 16_171_008
+    assert stats["activations_quantized"] > 0
+
+
+def test_packed_data_decodes_to_the_fake_quantised_weights(tiny_spec, tiny_build):
+    train = dict(tiny_build["train"].gm.named_parameters())
+    buffers = dict(tiny_build["infer"].gm.named_buffers())
+    for name in list(mx_weights(tiny_spec))[:3]:
+        w = train[name].detach()
+        decoded = K3.mx_dequantize.default(buffers[f"{name}_mx"], buffers[f"{name}_scale"], "e2m1", 32, torch.float32)
+        assert torch.equal(decoded, K3.mx_fake_quantize.default(w, "e2m1", 32)), name
+
+
+def test_infer_matmuls_read_dequantised_weights_and_quantised_inputs(tiny_spec, tiny_build):
+    gm = tiny_build["infer"].gm
+    deq = [n for n in gm.graph.nodes if n.target is K3.mx_dequantize.default]
+    assert len(deq) == len(mx_weights(tiny_spec))
+    for d in deq:
+        assert d.args[0].op == "get_attr" and d.args[0].target.endswith("_mx") and d.args[2:4] == ("e2m1", 32)
+        mms = [m for u in d.users for m in u.users]  # through the transpose
+        assert mms and all(fq_input(m) for m in mms)
+
+
+# ---------------------------------------------------------------- QAT training build (k3-tiny)
+
+
+def test_qat_train_fake_quantises_the_weights(tiny_spec, tiny_build, record):
+    gm = tiny_build["train"].gm
+    mx = mx_weights(tiny_spec)
+    assert {n: tuple(p.shape) for n, p in gm.named_parameters()} == {w.name: w.shape for w in weight_inventory(tiny_spec)}
+    reads = {n.target: n for n in gm.graph.nodes if n.op == "get_attr" and n.target in mx}
+    assert set(reads) == set(mx)
+    for name, node in reads.items():
+        (user,) = node.users
+        assert user.target is K3.mx_fake_quantize.default and user.args[1:] == ("e2m1", 32), name
+        assert all(fq_input(m) for t in user.users for m in t.users)
+    nodes = list(gm.graph.nodes)
+    assert not any(n.target in (K3.mx_dequantize.default, K3.mx_linear.default) for n in nodes)
+    assert gm.meta.get("packed", {}) == {}
+    stats = record("train", "pack_mxfp4").statistics
+    assert stats["weights_fake_quantized"] == len(mx) and stats["weights_packed"] == stats["bytes_saved"] == 0
+    assert stats["activations_quantized"] == record("infer", "pack_mxfp4").statistics["activations_quantized"]
+
+
+def test_packed_inference_logits_equal_qat_training_logits(tiny_spec, tiny_build):
+    """Same seeded weights; the train graph is routed as at inference (drop-free) so only packing differs."""
+    from k3compile.passes import routing
+
+    train = copy.deepcopy(tiny_build["train"].gm)
+    routing.PASS.run(train, PassContext(tiny_spec, "infer"))
+    train.recompile()
+    x = example_tokens(tiny_spec, "cpu")
+    with torch.no_grad():
+        assert rel(tiny_build["infer"].gm(x), train(x)) <= 1e-4
+
+
+# ---------------------------------------------------------------- policy variants
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_qat_off_and_bf16(load, run_passes, mode):
+    """qat: false trains on plain weights (inference still packs); the bf16 ablation touches nothing."""
+    spec = load("k3-tiny.yaml", "quantization.qat=false")
+    gm, _, records = run_passes(spec, UP_TO_PACK, device="meta", mode=mode)
+    has_mx = any(n.target in MX_OPS for n in gm.graph.nodes)
+    assert has_mx == (mode == "infer")
+    assert records[-1].statistics["weights_packed"] == (len(mx_weights(spec)) if mode == "infer" else 0)
+    spec = load("ablations/bf16.yaml")
+    gm, _, records = run_passes(spec, UP_TO_PACK, device="meta", mode=mode)
+    assert not any(n.target in MX_OPS for n in gm.graph.nodes)
+    assert set(records[-1].statistics.values()) == {0}
+    assert {n for n, _ in gm.named_parameters()} == {w.name for w in weight_inventory(spec)}
+
+
+MIXED = (
+    "moe.capacity_factor=8",  # capacity = tokens: nothing dropped in training either, so train and infer compare
+    'quantization.rules=[{match: "layers.*.shared_experts.*", weight: mxfp8, activation: mxfp8},'
+    ' {match: "layers.*.moe.experts.*", weight: mxfp4, activation: mxfp8}]',
+)
+
+
+@pytest.fixture(scope="module")
+def mixed(load, run_passes):
+    """k3-tiny with MXFP8 shared experts (plain linears: the mx_linear path) and MXFP4 routed experts."""
+    spec = load("k3-tiny.yaml", *MIXED)
+    built = {m: run_passes(spec, UP_TO_PACK, device="cpu", mode=m) for m in ("train", "infer")}
+    return spec, built
+
+
+def test_mxfp8_linears_become_mx_linear(mixed):
+    spec, built = mixed
+    gm, _, records = built["infer"]
+    fp8 = {n for n, w in mx_weights(spec).items() if w.format == "mxfp8"}
+    assert len(fp8) == 3 * 7
+    lin = [n for n in gm.graph.nodes if n.target is K3.mx_linear.default]
+    assert len(lin) == len(fp8)
+    for n in lin:
+        assert n.args[1].target.removesuffix("_mx") in fp8 and n.args[3:5] == ("e4m3", 32) and fq_input(n)
+    buffers = dict(gm.named_buffers())
+    for name in fp8:
+        assert buffers[f"{name}_mx"].dtype == torch.uint8 and name not in dict(gm.named_parameters())
+    wb = weight_bytes(spec)
+    assert records[-1].statistics["bytes_saved"] == wb["bf16"] - wb["policy"]
+    assert records[-1].statistics["weights_packed"] == len(mx_weights(spec))
+    assert gm.meta["packed"][next(iter(fp8))]["fmt"] == ELEMENT_OF_POLICY["mxfp8"]
+
+
+def test_mixed_policy_logits_agree(mixed):
+    _, built = mixed
+    (train, inputs, _), (infer, _, _) = built["train"], built["infer"]
+    with torch.no_grad():
+        assert rel(infer(*inputs), train(*inputs)) <= 1e-4
+
+
+@pytest.mark.parametrize("mode", ["train", "infer"])
+def test_expert_parallel_weights_are_quantised_too(load, run_passes, mode):
+    """shard_experts reads the stacked expert weights through a rank-major view; the policy still applies."""
+    spec = load("k3-tiny.yaml", "parallel.ep=4")
+    gm, _, records = run_passes(spec, UP_TO_PACK, device="meta", mode=mode)
+    stats = records[-1].statistics
+    n = len(mx_weights(spec))
+    assert (stats["weights_packed"], stats["weights_fake_quantized"]) == ((n, 0) if mode == "infer" else (0, n))
+    views = [v for v in gm.graph.nodes if v.target is torch.unflatten and v.args[0].target in MX_OPS]
+    assert len(views) == n  # each view reads the dequantised (infer) or fake-quantised (train) weight
+
+
+def test_expert_parallel_inference_logits_equal_ep_1(load, run_passes, tiny_build):
+    spec = load("k3-tiny.yaml", "parallel.ep=4")
+    gm, inputs, _ = run_passes(spec, UP_TO_PACK, device="cpu", mode="infer")
+    with torch.no_grad():
+        assert rel(gm(*inputs), tiny_build["infer"].gm(*inputs)) <= 1e-6

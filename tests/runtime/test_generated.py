@@ -1,0 +1,195 @@
+"""The emitted k3-tiny modules (runtime.generated): compile, numerics against each other and the Decoder, decoding.
+
+Built once with `--set moe.capacity_factor=8`: the per-expert capacity is min(T, ceil(cf * T * top_k / E)) =
+min(T, ceil(8 * T * 4 / 32)) = T, the most one expert can receive (a token picks an expert at most once), so
+the training graph drops no token. k3-tiny's own 1.5 drops some at small T, while the inference graph and the
+Decoder are drop-free; with drops the three could not agree, with none they must.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import k3compile
+from k3compile.analysis.formats import ELEMENT_OF_POLICY
+from k3compile.build import build
+from k3compile.ops.mx import mx_fake_quantize
+from k3compile.runtime.decoder import Decoder
+from k3compile.spec.load import load_spec
+from k3compile.spec.weights import weight_inventory
+
+K3_TINY = Path(__file__).resolve().parents[2] / "specs" / "k3-tiny.yaml"
+TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+LABELS = TOKENS.clone()
+LABELS[0, 5] = -100  # an ignored position
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative difference ||a - b|| / ||b|| in float64."""
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _routers(module) -> list:
+    return [m for name, m in module.named_modules() if name.endswith(".moe.router")]
+
+
+@pytest.fixture(scope="module")
+def pkg(tmp_path_factory):
+    spec = load_spec(K3_TINY, ["moe.capacity_factor=8"])
+    dest, _ = build(spec, tmp_path_factory.mktemp("cf8"))
+    return k3compile.load(dest)
+
+
+@pytest.fixture(scope="module")
+def model(pkg):
+    return pkg.Model()
+
+
+@pytest.fixture(scope="module")
+def infer(pkg):
+    return pkg.InferenceModel()
+
+
+@pytest.fixture(scope="module")
+def train_logits(model):
+    with torch.no_grad():
+        return model(TOKENS)
+
+
+@pytest.fixture(scope="module")
+def infer_logits(infer):
+    with torch.no_grad():
+        return infer(TOKENS)
+
+
+@pytest.fixture(scope="module")
+def prefilled(infer):
+    """InferenceModel.prefill(TOKENS): (logits, cache), run by the eager Decoder."""
+    with torch.no_grad():
+        return infer.prefill(TOKENS)
+
+
+@pytest.fixture(scope="module")
+def eager_step(pkg):
+    """A fresh Model's loss on (TOKENS, LABELS), after backward."""
+    model = pkg.Model()
+    loss = model(TOKENS, LABELS)
+    loss.backward()
+    return model, loss
+
+
+def test_loss_is_the_mean_next_token_cross_entropy(eager_step, train_logits):
+    _, loss = eager_step
+    want = F.cross_entropy(train_logits[:, :-1].reshape(-1, 256), LABELS[:, 1:].reshape(-1), ignore_index=-100)
+    assert abs(loss.item() - want.item()) <= 1e-6 * want.item()
+    assert train_logits.shape == (2, 12, 256) and train_logits.dtype == torch.float32
+
+
+def test_training_model_compiles_fullgraph_forward_and_backward(pkg, eager_step):
+    """fullgraph=True raises on any graph break; the compiled loss, gradients and buffer updates equal eager."""
+    from torch._dynamo.utils import counters
+
+    eager, loss_e = eager_step
+    compiled = pkg.Model()
+    torch._dynamo.reset()
+    counters.clear()
+    loss_c = torch.compile(compiled, fullgraph=True, backend="aot_eager")(TOKENS, LABELS)
+    loss_c.backward()
+    assert not counters["graph_break"]
+    assert abs(loss_c.item() - loss_e.item()) <= 1e-5 * abs(loss_e.item())
+    grads_e = {n: p.grad for n, p in eager.named_parameters()}
+    for n, p in compiled.named_parameters():
+        assert (p.grad is None) == (grads_e[n] is None), n
+        if p.grad is not None and grads_e[n].norm() > 0:
+            assert rel(p.grad, grads_e[n]) <= 1e-5, n
+    buffers_e = dict(eager.named_buffers())
+    for n, b in compiled.named_buffers():  # in-place routing statistics survive compilation
+        assert torch.equal(b, buffers_e[n]), n
+
+
+def test_packed_inference_build_matches_the_qat_training_build(model, train_logits, infer_logits):
+    """Same seeded weights: QAT fake-quantises expert weights where inference stores them packed; same numbers."""
+    routers = _routers(model)  # the premise: the training graph dropped nothing
+    assert len(routers) == 7 and all(int(r.dropped) == 0 for r in routers)
+    assert rel(infer_logits, train_logits) <= 1e-4
+
+
+def test_inference_graph_equals_the_decoder(infer_logits, prefilled):
+    """Bound inference graph (packed weights, in-graph dequantise, MX activations) == eager Decoder over the
+    dequantised weights with the policy's activation hooks: packing and quantisation placement are right."""
+    logits, cache = prefilled
+    assert rel(infer_logits, logits) <= 1e-5
+    assert cache.position == 12
+
+
+def test_qat_training_graph_equals_an_independent_decoder(model, train_logits):
+    """Train graph (fake-quantised weights and activations) == a Decoder given the training weights quantised
+    per the spec's weight inventory (not the packing tables): QAT simulates exactly what is served."""
+    spec = model.spec
+    fmt = {w.name: w.format for w in weight_inventory(spec)}
+    state = {}
+    for name, value in model.state_dict().items():
+        element = ELEMENT_OF_POLICY.get(fmt.get(name, ""))
+        state[name] = mx_fake_quantize(value, element, spec.quantization.block_size) if element else value
+    assert sum(1 for n in state if ELEMENT_OF_POLICY.get(fmt.get(n, ""))) == 21  # 7 MoE layers x 3 expert weights
+    decoder = Decoder(spec)
+    decoder.load_state_dict(state, strict=True)
+    with torch.no_grad():
+        logits, _ = decoder.eval()(TOKENS)
+    assert rel(train_logits, logits) <= 1e-5
+
+
+def test_prefill_then_decode_equals_one_prefill(infer, prefilled):
+    full, _ = prefilled
+    with torch.no_grad():
+        logits, cache = infer.prefill(TOKENS[:, :5])
+        steps = [logits]
+        for t in range(5, 12):
+            step, cache = infer.decode(TOKENS[:, t : t + 1], cache)
+            steps.append(step)
+    assert cache.position == 12
+    assert rel(torch.cat(steps, dim=1), full) <= 1e-5
+
+
+def test_cache_bytes_kda_constant_mla_linear_in_context(infer, prefilled):
+    spec = infer.spec
+    batch = TOKENS.shape[0]
+    n_mla = sum(1 for m in spec.mixers if m == "M")
+    n_kda = spec.num_layers - n_mla
+    k, m = spec.kda, spec.mla
+    p = k.num_heads * k.head_dim
+    kda_bytes = batch * n_kda * 4 * (k.num_heads * k.head_dim * k.head_dim + (k.short_conv_size - 1) * 3 * p)
+    mla_per_token = batch * n_mla * 4 * (m.kv_lora_rank + m.qk_rope_head_dim)  # fp32 [c_kv, k_pe]
+    sizes = {12: prefilled[1].nbytes()}
+    with torch.no_grad():
+        _, cache = infer.prefill(TOKENS[:, :1])
+        sizes[1] = cache.nbytes()
+        for t in range(2, 5):
+            _, cache = infer.decode(TOKENS[:, t - 1 : t], cache)
+            sizes[t] = cache.nbytes()
+    for t, nb in sizes.items():
+        assert nb == {"kda_state": kda_bytes, "mla_latent": t * mla_per_token, "total": kda_bytes + t * mla_per_token}
+
+
+def test_decoder_is_not_part_of_the_state_and_follows_loaded_weights(pkg, infer):
+    tokens = TOKENS[:1, :4]
+    with torch.no_grad():
+        before, _ = infer.prefill(tokens)
+    state = infer.state_dict()
+    assert not any(k.startswith("_decoder") for k in state)
+    assert len(list(infer.parameters())) == len(pkg.InferenceModel.PARAMETERS)
+    other = pkg.InferenceModel(device="meta")  # shapes only (no seeded init), then real tensors assigned
+    state = {k: v.clone() for k, v in state.items()}
+    state["lm_head.weight"] *= 2
+    other.load_state_dict(state, strict=True, assign=True)
+    with torch.no_grad():
+        doubled, _ = other.prefill(tokens)
+        assert rel(doubled, 2 * before) <= 1e-5
+        other.load_state_dict(infer.state_dict(), strict=True)  # the cached decoder must not be reused
+        again, _ = other.prefill(tokens)
+    assert rel(again, before) <= 1e-6
