@@ -1,15 +1,21 @@
 """CPU decode benchmark: decode tokens/s and cache bytes at growing context, hybrid KDA:MLA against all-MLA.
 
-    python bench/decode_cpu.py                      # contexts 256 .. 16384 (k3-tiny's context_length)
+    python bench/decode_cpu.py                      # contexts 256 .. 16384 (k3-tiny's context_length), ~3 min
     python bench/decode_cpu.py --max-context 2048   # skip the largest contexts
+    python bench/decode_cpu.py --fill prefill       # a real chunked prefill up to every point (slow: ~8 ms/token)
     python bench/decode_cpu.py --tiny               # seconds-long smoke run (contexts 16, 32)
 
 Each spec is built (`--mode infer`) into a temporary folder and run through its InferenceModel's
-decoder with the seeded weights, fp32, batch 1. Per variant the cache grows once: random byte
-tokens are prefilled in chunks from one context point to the next, so the largest point costs one
-chunked prefill in all. At each point the cache bytes are read (`DecodeCache.nbytes()`, KDA state
-vs MLA latents) and `--steps` single-token decode steps are timed from that cache (one untimed
-warm-up step first; decoding returns a new cache, so the growing one is left as it was).
+decoder with the seeded weights, fp32, batch 1. A context point N is reached by filling the cache
+to N - steps - 1 tokens, then decoding one untimed warm-up step and `--steps` timed steps, so the
+timed steps attend over the last contexts before N and the cache ends holding exactly N tokens;
+its bytes are read there (`DecodeCache.nbytes()`: KDA state vs MLA latents).
+
+Filling the cache: `--fill prefill` prefills random bytes through the model in `--chunk`-token
+chunks, growing one cache from point to point. `--fill tile` (default) prefills one chunk for real
+and repeats each MLA layer's real latent rows up to N; the KDA state is the real one, whose size
+does not depend on position. A decode step's work depends only on the cache's shapes, so both
+fills time the same computation; the tiled one skips minutes of prefill per variant on a CPU.
 Nothing here is asserted on; the cache-bytes facts are tested in tests/runtime/test_generate.py.
 """
 
@@ -37,7 +43,7 @@ CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 def grow_cache(
     decoder: Decoder, contexts: list[int], chunk: int = 1024, seed: int = 0
 ) -> Iterator[tuple[int, DecodeCache, float]]:
-    """Yield (context, cache holding that many tokens, seconds of prefill since the previous point)."""
+    """Real chunked prefill of random bytes: yield (context, cache of that many tokens, seconds since the last)."""
     gen = torch.Generator().manual_seed(seed)
     cache, position = None, 0
     for context in sorted(contexts):
@@ -50,31 +56,57 @@ def grow_cache(
         yield context, cache, time.perf_counter() - start
 
 
+@torch.no_grad()
+def tiled_caches(
+    decoder: Decoder, contexts: list[int], chunk: int = 1024, seed: int = 0
+) -> Iterator[tuple[int, DecodeCache, float]]:
+    """One real prefill of min(chunk, smallest context) tokens; per context, its MLA latent rows repeated to length."""
+    base_len = min(chunk, min(contexts))
+    start = time.perf_counter()
+    (_, base, _), = grow_cache(decoder, [base_len], chunk, seed)
+    seconds = time.perf_counter() - start
+    for context in sorted(contexts):
+        reps = -(-context // base_len)
+        layers = [_tile(s, reps, context) for s in base.layers]
+        yield context, DecodeCache(layers=layers, position=context), seconds
+        seconds = 0.0
+
+
+def _tile(state, reps: int, length: int):
+    """An MLA latent cache [B, S, C] repeated along S to `length` rows; KDA states pass through."""
+    if isinstance(state, torch.Tensor):
+        return state.repeat(1, reps, 1)[:, :length].contiguous()
+    return state
+
+
 def cache_bytes_by_context(decoder: Decoder, contexts: list[int], chunk: int = 1024) -> dict[int, dict[str, int]]:
-    """context -> DecodeCache.nbytes() after prefilling that many tokens."""
+    """context -> DecodeCache.nbytes() after a real prefill of that many tokens."""
     return {n: cache.nbytes() for n, cache, _ in grow_cache(decoder, contexts, chunk)}
 
 
 @torch.no_grad()
-def decode_seconds(decoder: Decoder, cache: DecodeCache, steps: int) -> float:
-    """Seconds per decode step from `cache` (mean over `steps` after one warm-up step)."""
+def decode_from(decoder: Decoder, cache: DecodeCache, steps: int) -> tuple[float, DecodeCache]:
+    """(seconds per decode step over `steps` steps after one untimed warm-up step, the final cache)."""
     token = torch.zeros(1, 1, dtype=torch.long)
-    _, c = decoder(token, cache)
+    _, cache = decoder(token, cache)
     start = time.perf_counter()
     for _ in range(steps):
-        _, c = decoder(token, c)
-    return (time.perf_counter() - start) / steps
+        _, cache = decoder(token, cache)
+    return (time.perf_counter() - start) / steps, cache
 
 
-def measure(decoder: Decoder, contexts: list[int], steps: int, chunk: int, say=None) -> list[dict]:
-    """One row per context: cache bytes, decode tokens/s, prefill seconds for the tokens added."""
+def measure(decoder: Decoder, contexts: list[int], steps: int, chunk: int, fill: str = "tile", say=None) -> list[dict]:
+    """One row per context N: bytes of the cache holding N tokens, decode tokens/s just before N, fill seconds."""
+    if min(contexts) <= steps + 1:
+        raise ValueError(f"contexts must exceed steps + 1 = {steps + 1}")
+    filler = {"tile": tiled_caches, "prefill": grow_cache}[fill]
     rows = []
-    for n, cache, prefill_s in grow_cache(decoder, contexts, chunk):
-        row = {"context": n, **cache.nbytes(), "prefill_s": prefill_s}
-        row["decode_tok_s"] = 1.0 / decode_seconds(decoder, cache, steps)
-        rows.append(row)
+    for n, (_, cache, fill_s) in zip(sorted(contexts), filler(decoder, [n - steps - 1 for n in contexts], chunk)):
+        seconds, cache = decode_from(decoder, cache, steps)
+        assert cache.position == n
+        rows.append({"context": n, **cache.nbytes(), "decode_tok_s": 1.0 / seconds, "fill_s": fill_s})
         if say:
-            say(f"context {n}: {row['total']:,} cache bytes, {row['decode_tok_s']:.1f} tokens/s")
+            say(f"context {n}: {rows[-1]['total']:,} cache bytes, {rows[-1]['decode_tok_s']:.1f} tokens/s")
     return rows
 
 
@@ -95,12 +127,12 @@ def machine() -> str:
 
 def render(results: dict[str, list[dict]]) -> str:
     """A Markdown table, one row per (variant, context)."""
-    lines = ["| variant | context | KDA cache bytes | MLA cache bytes | total bytes | decode tokens/s | prefill s |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | context | KDA cache bytes | MLA cache bytes | total bytes | decode tokens/s |",
+             "|---|---:|---:|---:|---:|---:|"]
     for name, rows in results.items():
         for r in rows:
             lines.append(f"| {name} | {r['context']:,} | {r['kda_state']:,} | {r['mla_latent']:,} | {r['total']:,} "
-                         f"| {r['decode_tok_s']:.1f} | {r['prefill_s']:.1f} |")
+                         f"| {r['decode_tok_s']:.2f} |")
     return "\n".join(lines)
 
 
@@ -109,6 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-context", type=int, default=max(CONTEXTS), help="skip contexts above this (default 16384)")
     p.add_argument("--steps", type=int, default=8, help="timed decode steps per context point (default 8)")
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens (default 1024)")
+    p.add_argument("--fill", choices=("tile", "prefill"), default="tile",
+                   help="how the cache reaches each context: tile real latents (default) or prefill every token")
     p.add_argument("--variant", choices=sorted(VARIANTS), action="append", help="only these variants (repeatable)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's choice")
     p.add_argument("--tiny", action="store_true", help="contexts 16 and 32, 2 steps: a smoke run")
@@ -123,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
         for name in args.variant or list(VARIANTS):
             decoder = build_decoder(VARIANTS[name], Path(tmp) / name)
             say = lambda text, name=name: print(f"{name}: {text}", file=sys.stderr, flush=True)
-            results[name] = measure(decoder, contexts, steps, args.chunk, say)
+            results[name] = measure(decoder, contexts, steps, args.chunk, args.fill, say)
             del decoder
-    print(f"decode on CPU, batch 1, fp32, seeded weights; {machine()}; {time.strftime('%Y-%m-%d')}")
     seconds = time.perf_counter() - start
-    print(f"{steps} timed decode steps per point, prefill chunk {args.chunk}; {seconds:.0f} s in all")
+    print(f"decode on CPU, batch 1, fp32, seeded weights; {machine()}; {time.strftime('%Y-%m-%d')}")
+    print(f"cache fill: {args.fill}, prefill chunk {args.chunk}; {steps} timed decode steps per point; {seconds:.0f} s")
     print(render(results))
     return 0
 

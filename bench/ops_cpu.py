@@ -1,12 +1,14 @@
 """CPU benchmark of the KDA core op: chunked vs recurrent form, against a plain fp32 matmul in the same run.
 
-    python bench/ops_cpu.py                 # B=1, T=4096, H=8, K=V=64, chunk 64
-    python bench/ops_cpu.py --tiny          # seconds-long smoke run
+    python bench/ops_cpu.py --threads 1                                   # B=1, T=4096, H=8, K=V=64, chunk 64
+    python bench/ops_cpu.py --threads 1 --batch 16 --seq 256 --heads 4    # k3-tiny's training shape
+    python bench/ops_cpu.py --tiny                                        # seconds-long smoke run
 
 FLOPs (reference section 2), per head: 6*T*K^2 + 3*T*C*K + T*C^2 for one forward pass of KDA, times B*H.
 The same count is used for both forms, so their GFLOP/s compare as throughput on the same work; a
 forward+backward counts 3x the forward. The matmul row is an n x n x n fp32 matmul (2*n^3 FLOPs).
-Times are the median of --repeats runs after one warm-up; nothing here is asserted on.
+Times are the median of --repeats runs after one warm-up, wall clock and process CPU time (the CPU time
+is the steadier number on a shared machine; it sums over threads). Nothing here is asserted on.
 """
 
 from __future__ import annotations
@@ -27,14 +29,16 @@ def kda_flops(B: int, T: int, H: int, K: int, C: int) -> float:
     return float(B * H * (6 * T * K * K + 3 * T * C * K + T * C * C))
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+def median_seconds(fn: Callable[[], object], repeats: int) -> tuple[float, float]:
+    """Median (wall, process CPU) seconds of fn over `repeats` runs after one warm-up."""
     fn()
-    times = []
+    wall, cpu = [], []
     for _ in range(repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        cpu.append(time.process_time() - start_cpu)
+        wall.append(time.perf_counter() - start)
+    return statistics.median(wall), statistics.median(cpu)
 
 
 def kda_inputs(B: int, T: int, H: int, K: int, seed: int = 0) -> list[torch.Tensor]:
@@ -48,8 +52,8 @@ def kda_inputs(B: int, T: int, H: int, K: int, seed: int = 0) -> list[torch.Tens
     return [q, k, v, g, beta]
 
 
-def run(args: argparse.Namespace) -> list[tuple[str, float, float]]:
-    """Rows of (name, seconds, FLOPs)."""
+def run(args: argparse.Namespace) -> list[tuple[str, tuple[float, float], float]]:
+    """Rows of (name, (wall, CPU) seconds, FLOPs)."""
     B, T, H, K, C = args.batch, args.seq, args.heads, args.head_dim, args.chunk
     n = args.matmul
     a, b = torch.randn(n, n), torch.randn(n, n)
@@ -59,8 +63,8 @@ def run(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     with torch.no_grad():
         rows.append(("kda chunk fwd", median_seconds(lambda: kda(*inputs, chunk_size=C), args.repeats), flops))
         if not args.no_recurrent:
-            t = median_seconds(lambda: kda(*inputs, mode="recurrent"), max(1, args.repeats // 2))
-            rows.append(("kda recurrent fwd", t, flops))
+            times = median_seconds(lambda: kda(*inputs, mode="recurrent"), max(1, args.repeats // 2))
+            rows.append(("kda recurrent fwd", times, flops))
     if not args.no_backward:
         leaves = [x.clone().requires_grad_() for x in inputs]
 
@@ -72,16 +76,16 @@ def run(args: argparse.Namespace) -> list[tuple[str, float, float]]:
     return rows
 
 
-def render(rows: list[tuple[str, float, float]], args: argparse.Namespace) -> None:
-    peak = rows[0][2] / rows[0][1]
+def render(rows: list[tuple[str, tuple[float, float], float]], args: argparse.Namespace) -> None:
+    peak = rows[0][2] / rows[0][1][0]
     tokens = args.batch * args.seq
     title = (f"KDA on CPU: B={args.batch} T={args.seq} H={args.heads} K=V={args.head_dim} C={args.chunk}, "
              f"{torch.get_num_threads()} threads, torch {torch.__version__}")
-    header = ("case", "ms", "tokens/s", "GFLOP/s", "% of matmul")
+    header = ("case", "ms", "CPU ms", "tokens/s", "GFLOP/s", "% of matmul")
     body = []
-    for name, sec, flops in rows:
+    for name, (sec, cpu), flops in rows:
         is_mm = name.startswith("matmul")
-        body.append((name, f"{sec * 1e3:.1f}", "-" if is_mm else f"{tokens / sec:,.0f}",
+        body.append((name, f"{sec * 1e3:.1f}", f"{cpu * 1e3:.1f}", "-" if is_mm else f"{tokens / sec:,.0f}",
                      f"{flops / sec / 1e9:.1f}", f"{100 * flops / sec / peak:.1f}"))
     try:
         from rich.console import Console

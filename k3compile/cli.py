@@ -184,10 +184,12 @@ def _cmd_build(args) -> None:
         dump_after=frozenset(args.dump_after),
         verify_numerics=args.verify_numerics,
     )
+    from rich.console import Console
     from rich.progress import Progress
 
     modes = 2 if args.mode == "both" else 1
-    with Progress(transient=True) as progress:
+    console = Console(stderr=True)  # progress on a terminal's stderr only: stdout is the summary, stderr the errors
+    with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
         task = progress.add_task(f"building {spec.name}", total=modes * len(known))
         try:
             dest, manifest = build(

@@ -20,8 +20,10 @@ Decisions where OCP leaves a choice (all tested in tests/kernels/test_mx.py):
   never double rounding); the fp8 casts below only ever see values that are already representable.
 
 The `_ref` functions are the oracle. The `_fast` functions give the same bits for fp32/bf16/fp16
-(in fp32 integer and power-of-two arithmetic, see `_fast_elements`) and call the reference for
-float64; they assume IEEE subnormals (torch's default, not `torch.set_flush_denormal(True)`).
+(NaN payloads aside) with exact fp32 bit and power-of-two arithmetic, see `_fast_elements`, and call
+the reference for float64. They round themselves rather than through torch's fp32 -> fp8 casts, whose
+out-of-range handling differs between their scalar and AVX-512 paths. They assume IEEE subnormals
+(torch's default; not under `torch.set_flush_denormal(True)`).
 
 Storage sizes for static analysis live in k3compile.analysis.formats (no torch import there).
 """

@@ -10,7 +10,6 @@ so the two builds compute the same numbers.
 
 from __future__ import annotations
 
-import fnmatch
 import operator
 
 import torch
@@ -20,32 +19,26 @@ from torch import fx
 import k3compile.ops.mx  # noqa: F401  (registers the k3 MX ops)
 from k3compile.analysis.formats import ELEMENT_OF_POLICY, storage_bytes
 from k3compile.ir.pass_manager import GraphPass, PassContext
+from k3compile.spec.weights import activation_format, weight_inventory
 
 K3 = torch.ops.k3
 LINEARS = (F.linear, torch._C._nn.linear)
 MATMULS = (torch.matmul, operator.matmul, torch.bmm)
 TRANSPOSES = ("transpose", "t", "mT")
 VIEWS = (torch.unflatten,)  # shard_experts' rank-major view [ep, E/ep, ...] of stacked expert weights
+CASTS = ("to", "float")  # the router reads its weight cast to fp32
 
 
-def _rule(ctx: PassContext, module: str):
-    for rule in ctx.spec.quantization.rules:
-        if fnmatch.fnmatchcase(module, rule.match):
-            return rule
-    return None
-
-
-def _formats(ctx: PassContext, weight: str) -> tuple[str, str]:
-    """(weight format, activation format) of a matmul weight under the policy."""
-    q = ctx.spec.quantization
-    rule = _rule(ctx, weight.removesuffix(".weight"))
-    return (rule.weight, rule.activation) if rule else (q.default_weight, q.default_activation)
+def _formats(ctx: PassContext) -> dict[str, tuple[str, str]]:
+    """(weight format, activation format) per weight name, from the weight inventory so build and analysis agree."""
+    return {w.name: (w.format, activation_format(ctx.spec, w.module)) for w in weight_inventory(ctx.spec)}
 
 
 def _readers(value: fx.Node):
-    """(user, the node it reads) for each use of `value`, looking through shard_experts' rank-major views."""
+    """(user, the node it reads) for each use of `value`, looking through rank-major views and dtype casts."""
     for user in value.users:
-        if user.op == "call_function" and user.target in VIEWS and user.args[0] is value:
+        view = user.op == "call_function" and user.target in VIEWS or user.op == "call_method" and user.target in CASTS
+        if view and user.args[0] is value:
             yield from _readers(user)
         else:
             yield user, value
@@ -85,10 +78,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
     packed = dict(gm.meta.get("packed", {}))
     params = dict(gm.named_parameters())
     quantized: dict = {}
+    formats = _formats(ctx)
     for node in list(gm.graph.nodes):
         if node.op != "get_attr" or node.target not in params:
             continue
-        wfmt, afmt = _formats(ctx, node.target)
+        wfmt, afmt = formats.get(node.target, ("bf16", "bf16"))
         consumers = _weight_consumers(node)
         if not consumers or wfmt not in ELEMENT_OF_POLICY and afmt not in ELEMENT_OF_POLICY:
             continue

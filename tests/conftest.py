@@ -7,6 +7,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+
+# One intra-op thread per test process: CI runs two xdist workers on two cores, and small
+# tensor ops stall badly when each worker also spreads them over both cores.
+torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
 SPECS = ROOT / "specs"

@@ -146,7 +146,8 @@ def kda(
     two, T padded inside); mode "recurrent" steps token by token. Both agree to fp32 rounding.
     """
     if mode == "chunk":
-        o, S, *_ = torch.ops.k3.kda_chunk.default(q, k, v, g, beta, scale, initial_state, chunk_size)
+        out = torch.ops.k3.kda_chunk.default(q, k, v, g, beta, scale, initial_state, chunk_size)
+        o, S = out[0], out[1]  # the rest is what the backward reuses
     elif mode == "recurrent":
         o, S = torch.ops.k3.kda_recurrent.default(q, k, v, g, beta, scale, initial_state)
     else:

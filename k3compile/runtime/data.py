@@ -50,7 +50,7 @@ def stdlib_files() -> list[Path]:
 
 
 def is_text_file(path: Path) -> bool:
-    """No NUL byte and valid UTF-8 in the first SNIFF_BYTES (a character cut at the end is allowed)."""
+    """No NUL byte and valid UTF-8 in the first SNIFF_BYTES (a character cut by that limit is allowed)."""
     try:
         with open(path, "rb") as f:
             head = f.read(SNIFF_BYTES)
@@ -59,7 +59,7 @@ def is_text_file(path: Path) -> bool:
     if b"\0" in head:
         return False
     try:
-        codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(head) < SNIFF_BYTES)
     except UnicodeDecodeError:
         return False
     return True

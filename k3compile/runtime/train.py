@@ -142,13 +142,15 @@ def prepare_out(out: Path, resume: bool) -> Path | None:
 
 
 def head_splits(spec: Spec) -> dict[str, int]:
-    """Per-head Muon blocks: KDA q/k/v projections by kda.num_heads, MLA q_b_proj/q_proj and kv_b_proj by mla heads."""
+    """Per-head Muon blocks: KDA q/k/v projections by kda.num_heads; MLA's query projection (q_b_proj, or q_proj
+    without q_lora) and kv_b_proj (per head: k_nope then v rows) by mla.num_heads."""
     out = {}
     for i, mixer in enumerate(spec.mixers):
         if mixer == MIXER_KDA:
-            out.update({f"layers.{i}.attn.{p}.weight": spec.kda.num_heads for p in ("q_proj", "k_proj", "v_proj")})
+            names, heads = ("q_proj", "k_proj", "v_proj"), spec.kda.num_heads
         else:
-            out.update({f"layers.{i}.attn.{p}.weight": spec.mla.num_heads for p in ("q_b_proj", "q_proj", "kv_b_proj")})
+            names, heads = ("q_b_proj" if spec.mla.q_lora_rank else "q_proj", "kv_b_proj"), spec.mla.num_heads
+        out.update({f"layers.{i}.attn.{name}.weight": heads for name in names})
     return out
 
 

@@ -16,10 +16,12 @@ import torch
 import torch.nn.functional as F
 from torch import fx, nn
 
+from k3compile.build import pipeline
 from k3compile.emit.codegen import _imports, model_source, spec_hash, spec_json
 from k3compile.spec.load import SpecError, load_spec, load_spec_text
 from k3compile.spec.schema import Spec
 
+PASSES = [p.name for p in pipeline()]
 INJECTIONS = ["x'); import os #", "a\nb", 'a"b', "a b", "../up", "_x", "", "x" * 65, "k3\\n", "a;b", "é"]
 
 
@@ -72,7 +74,7 @@ def test_emitted_model_py_compiles_and_carries_the_spec(tiny_build, tiny_tree, t
     assert Spec.model_validate_json(literal) == tiny_spec
     assert json.loads(literal) == tiny_spec.model_dump(mode="json")
     assert src.splitlines()[1] == f"# spec: 'k3-tiny', sha256 {spec_hash(tiny_spec)}"
-    assert src.splitlines()[2] == "# passes: interleave, attn_res, shard_experts, routing, pack_mxfp4, fuse, bind_kernels"
+    assert src.splitlines()[2] == f"# passes: {', '.join(PASSES)}"
     glob = tiny_spec.quantization.rules[0].match
     assert _token_kinds(src, glob) == ["STRING"]  # only inside SPEC_JSON
     assert set(_token_kinds(src, "k3-tiny")) == {"STRING", "COMMENT"}  # SPEC_JSON and the header comment
@@ -150,7 +152,9 @@ def _local_function():
     return inner
 
 
-@pytest.mark.parametrize("obj", [lambda x: x, _local_function(), torch.Tensor.add, object()], ids=repr)
+@pytest.mark.parametrize(
+    "obj", [lambda x: x, _local_function(), torch.Tensor.add, object()], ids=["lambda", "local", "method", "object"]
+)
 def test_imports_refuse_what_cannot_be_imported_by_name(obj):
     with pytest.raises(ValueError, match="cannot be imported"):
         _imports({"f": obj})

@@ -1,5 +1,6 @@
-"""KDA and short-conv ops: chunked == recurrent in fp32 (outputs, states, gradients), gradchecks,
-the decode step, meta / fx / compile, and a smoke run of the CPU benchmark."""
+"""KDA and short-conv ops: chunked == recurrent in fp32 (outputs, states, gradients), gradchecks of the
+chunked op's hand-written backward, the decode step, meta / fx / compile, and a smoke run of the CPU
+benchmark."""
 
 import importlib.util
 from pathlib import Path
@@ -8,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3compile.kernels import kda as kda_kernels
 from k3compile.kernels.kda import kda_naive
 from k3compile.kernels.short_conv import short_conv_naive
 from k3compile.ops.kda import kda, kda_decode_step, kda_gate
@@ -51,6 +53,30 @@ def test_chunk_matches_recurrent_fp32_values_and_grads(T, with_state):
         assert _rel_rms(got, want) < 1e-5
 
 
+def test_chunk_matches_recurrent_fp32_head_dim_64():
+    # The benchmark's head size (K = V = 64, chunk 64) over two and a bit chunks, state in and out.
+    *xs, S0 = _inputs(B=1, T=130, H=2, K=64, V=64, seed=2, requires_grad=True)
+    results = []
+    for mode in ("chunk", "recurrent"):
+        o, S = kda(*xs, initial_state=S0, output_final_state=True, mode=mode)
+        loss = (o * torch.cos(o.detach() * 3)).sum() + (S * torch.sin(S.detach())).sum()
+        results.append([o, S, *torch.autograd.grad(loss, [*xs, S0])])
+    for got, want in zip(*results):
+        assert _rel_rms(got, want) < 1e-5
+
+
+def test_chunk_backward_reuses_the_forward(monkeypatch):
+    # The registered backward reads what the forward saved: one forward per training step, not two.
+    calls = []
+    forward = kda_kernels.kda_chunk_fwd
+    monkeypatch.setattr(kda_kernels, "kda_chunk_fwd", lambda *a: calls.append(1) or forward(*a))
+    *xs, S0 = _inputs(T=20, requires_grad=True)
+    o, S = kda(*xs, initial_state=S0, output_final_state=True, chunk_size=8)
+    (o.sum() + S.sum()).backward()
+    assert len(calls) == 1
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in [*xs, S0])
+
+
 def test_recurrent_matches_naive_fp32():
     *xs, S0 = _inputs(T=40)
     o, S = kda(*xs, initial_state=S0, output_final_state=True, mode="recurrent")
@@ -68,10 +94,11 @@ def test_gradcheck_float64(mode):
     assert torch.autograd.gradcheck(f, inputs)
 
 
-def test_gradcheck_float64_chunk_levels():
-    # chunk_size 16 exercises the 8x8 diagonal blocks and one halving level.
-    inputs = _inputs(B=1, T=10, H=1, K=2, V=2, dtype=F64, seed=5, requires_grad=True)
-    f = lambda *a: kda(*a[:5], initial_state=a[5], chunk_size=16)[0]  # noqa: E731
+@pytest.mark.parametrize("T,chunk_size", [(10, 16), (40, 32)])
+def test_gradcheck_float64_chunk_levels(T, chunk_size):
+    # chunk 16 exercises the 8x8 base blocks and one halving level, chunk 32 two levels, two chunks and padding.
+    inputs = _inputs(B=1, T=T, H=1, K=2, V=2, dtype=F64, seed=5, requires_grad=True)
+    f = lambda *a: kda(*a[:5], initial_state=a[5], output_final_state=True, chunk_size=chunk_size)  # noqa: E731
     assert torch.autograd.gradcheck(f, inputs, fast_mode=True)
 
 
@@ -115,11 +142,17 @@ def test_wrapper_contract():
 
 
 def test_bf16_inputs():
-    *xs, S0 = _inputs(T=33, dtype=torch.bfloat16)
-    o, S = kda(*xs, initial_state=S0.float(), output_final_state=True)
+    *xs, S0 = _inputs(T=33, dtype=torch.bfloat16, requires_grad=True)
+    o, S = kda(*xs, initial_state=S0, output_final_state=True)
     assert o.dtype == torch.bfloat16 and S.dtype == torch.float32
-    o32, S32 = kda(*(x.float() for x in xs), initial_state=S0.float(), output_final_state=True)
+    grads = torch.autograd.grad(o.float().sum() + S.sum(), [*xs, S0])
+    assert all(gr.dtype == torch.bfloat16 for gr in grads)
+    leaves32 = [x.detach().float().requires_grad_() for x in [*xs, S0]]
+    o32, S32 = kda(*leaves32[:5], initial_state=leaves32[5], output_final_state=True)
+    grads32 = torch.autograd.grad(o32.sum() + S32.sum(), leaves32)
     assert _rel_rms(o, o32) < 1e-2 and _rel_rms(S, S32) < 1e-5
+    for gr, gr32 in zip(grads, grads32):
+        assert _rel_rms(gr, gr32) < 1e-2
 
 
 def test_short_conv_op_matches_loop_and_state():

@@ -140,13 +140,14 @@ def test_qat_off_and_bf16(load, run_passes, mode):
 MIXED = (
     "moe.capacity_factor=8",  # capacity = tokens: nothing dropped in training either, so train and infer compare
     'quantization.rules=[{match: "layers.*.shared_experts.*", weight: mxfp8, activation: mxfp8},'
-    ' {match: "layers.*.moe.experts.*", weight: mxfp4, activation: mxfp8}]',
+    ' {match: "layers.*.moe.router", weight: mxfp8}, {match: "layers.*.moe.experts.*", weight: mxfp4, activation: mxfp8}]',
 )
 
 
 @pytest.fixture(scope="module")
 def mixed(load, run_passes):
-    """k3-tiny with MXFP8 shared experts (plain linears: the mx_linear path) and MXFP4 routed experts."""
+    """k3-tiny with MXFP8 shared experts (plain linears: the mx_linear path), MXFP8 routers (read through an
+    fp32 cast) and MXFP4 routed experts."""
     spec = load("k3-tiny.yaml", *MIXED)
     built = {m: run_passes(spec, UP_TO_PACK, device="cpu", mode=m) for m in ("train", "infer")}
     return spec, built
@@ -156,18 +157,36 @@ def test_mxfp8_linears_become_mx_linear(mixed):
     spec, built = mixed
     gm, _, records = built["infer"]
     fp8 = {n for n, w in mx_weights(spec).items() if w.format == "mxfp8"}
-    assert len(fp8) == 3 * 7
+    shared = {n for n in fp8 if ".shared_experts." in n}
+    assert len(shared) == 3 * 7 and len(fp8) == len(shared) + 7
     lin = [n for n in gm.graph.nodes if n.target is K3.mx_linear.default]
-    assert len(lin) == len(fp8)
+    assert len(lin) == len(shared)
     for n in lin:
-        assert n.args[1].target.removesuffix("_mx") in fp8 and n.args[3:5] == ("e4m3", 32) and fq_input(n)
+        assert n.args[1].target.removesuffix("_mx") in shared and n.args[3:5] == ("e4m3", 32) and fq_input(n)
     buffers = dict(gm.named_buffers())
     for name in fp8:
         assert buffers[f"{name}_mx"].dtype == torch.uint8 and name not in dict(gm.named_parameters())
+    assert set(gm.meta["packed"]) == set(mx_weights(spec))
     wb = weight_bytes(spec)
     assert records[-1].statistics["bytes_saved"] == wb["bf16"] - wb["policy"]
     assert records[-1].statistics["weights_packed"] == len(mx_weights(spec))
     assert gm.meta["packed"][next(iter(fp8))]["fmt"] == ELEMENT_OF_POLICY["mxfp8"]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [("quantization.default_weight=mxfp4",), ("quantization.default_weight=mxfp8", "tie_embeddings=true")],
+    ids=["default-mxfp4", "tied-mxfp8"],
+)
+def test_packed_weights_are_the_inventorys_mx_weights(load, run_passes, overrides):
+    """Whatever the policy, inference packs exactly the weights the analysis counts as MX (routers included,
+    a tied embedding not: the inventory keeps the lookup table in bf16)."""
+    spec = load("k3-tiny.yaml", *overrides)
+    gm, _, records = run_passes(spec, UP_TO_PACK, device="meta", mode="infer")
+    assert set(gm.meta["packed"]) == set(mx_weights(spec))
+    assert not set(mx_weights(spec)) & {n for n, _ in gm.named_parameters()}
+    wb = weight_bytes(spec)
+    assert records[-1].statistics["bytes_saved"] == wb["bf16"] - wb["policy"]
 
 
 def test_mixed_policy_logits_agree(mixed):
@@ -185,8 +204,9 @@ def test_expert_parallel_weights_are_quantised_too(load, run_passes, mode):
     stats = records[-1].statistics
     n = len(mx_weights(spec))
     assert (stats["weights_packed"], stats["weights_fake_quantized"]) == ((n, 0) if mode == "infer" else (0, n))
-    views = [v for v in gm.graph.nodes if v.target is torch.unflatten and v.args[0].target in MX_OPS]
-    assert len(views) == n  # each view reads the dequantised (infer) or fake-quantised (train) weight
+    # Each weight view [ep, E/ep, in, out] reads the transposed dequantised (infer) or fake-quantised (train) weight.
+    views = [v for v in gm.graph.nodes if v.target is torch.unflatten and v.args[0].op == "call_method"]
+    assert len(views) == n and all(v.args[0].args[0].target in MX_OPS for v in views)
 
 
 def test_expert_parallel_inference_logits_equal_ep_1(load, run_passes, tiny_build):

@@ -62,7 +62,8 @@ def test_activation_policy_hooks_follow_the_spec():
 
 @pytest.fixture(scope="module")
 def small_decoder():
-    return Decoder(load_spec(SPECS / "k3-tiny.yaml", ["num_layers=4", "context_length=64", "training.seq_len=64"])).eval()
+    spec = load_spec(SPECS / "k3-tiny.yaml", ["num_layers=4", "context_length=64", "training.seq_len=64"])
+    return Decoder(spec).eval()
 
 
 @pytest.mark.parametrize(

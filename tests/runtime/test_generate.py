@@ -342,8 +342,13 @@ def test_kda_cache_is_constant_in_context_and_all_mla_grows_linearly(bench):
         assert all_mla[n] == {"kda_state": 0, "mla_latent": 8 * 96 * 4 * n, "total": 8 * 96 * 4 * n}
 
 
-def test_bench_measure_gives_a_row_per_context(bench, small_spec):
-    rows = bench.measure(Decoder(small_spec).eval(), [4, 12], steps=1, chunk=8)
-    assert [r["context"] for r in rows] == [4, 12]
-    assert all(r["decode_tok_s"] > 0 and r["total"] == r["kda_state"] + r["mla_latent"] for r in rows)
-    assert "| k3-tiny | 12 |" in bench.render({"k3-tiny": rows})
+def test_bench_rows_have_the_same_bytes_whether_the_cache_is_prefilled_or_tiled(bench, small_spec):
+    decoder = Decoder(small_spec).eval()
+    tiled = bench.measure(decoder, [6, 13], steps=1, chunk=4, fill="tile")
+    real = bench.measure(decoder, [6, 13], steps=1, chunk=4, fill="prefill")
+    assert [r["context"] for r in tiled] == [6, 13]
+    keys = ("context", "kda_state", "mla_latent", "total")
+    for a, b in zip(tiled, real, strict=True):
+        assert [a[k] for k in keys] == [b[k] for k in keys]
+        assert a["decode_tok_s"] > 0 and a["total"] == a["kda_state"] + a["mla_latent"]
+    assert "| k3-tiny | 13 |" in bench.render({"k3-tiny": tiled})

@@ -2,8 +2,9 @@
 
 Built once with `--set moe.capacity_factor=8`: the per-expert capacity is min(T, ceil(cf * T * top_k / E)) =
 min(T, ceil(8 * T * 4 / 32)) = T, the most one expert can receive (a token picks an expert at most once), so
-the training graph drops no token. k3-tiny's own 1.5 drops some at small T, while the inference graph and the
-Decoder are drop-free; with drops the three could not agree, with none they must.
+the training graph drops no token. k3-tiny's own 1.5 gives C = 5 for these 24 tokens and drops 2 to 10
+assignments per MoE layer (measured), while the inference graph and the Decoder are drop-free: with drops the
+three could not agree, with none they must.
 """
 
 from __future__ import annotations
@@ -147,9 +148,9 @@ def test_qat_training_graph_equals_an_independent_decoder(model, train_logits):
 def test_prefill_then_decode_equals_one_prefill(infer, prefilled):
     full, _ = prefilled
     with torch.no_grad():
-        logits, cache = infer.prefill(TOKENS[:, :5])
+        logits, cache = infer.prefill(TOKENS[:, :8])
         steps = [logits]
-        for t in range(5, 12):
+        for t in range(8, 12):
             step, cache = infer.decode(TOKENS[:, t : t + 1], cache)
             steps.append(step)
     assert cache.position == 12
@@ -176,20 +177,18 @@ def test_cache_bytes_kda_constant_mla_linear_in_context(infer, prefilled):
         assert nb == {"kda_state": kda_bytes, "mla_latent": t * mla_per_token, "total": kda_bytes + t * mla_per_token}
 
 
-def test_decoder_is_not_part_of_the_state_and_follows_loaded_weights(pkg, infer):
-    tokens = TOKENS[:1, :4]
-    with torch.no_grad():
-        before, _ = infer.prefill(tokens)
+def test_decoder_is_not_part_of_the_state_and_follows_loaded_weights(pkg, infer, prefilled):
+    """The cached Decoder (built by `prefilled`) stays out of state_dict and is rebuilt when weights load."""
     state = infer.state_dict()
     assert not any(k.startswith("_decoder") for k in state)
     assert len(list(infer.parameters())) == len(pkg.InferenceModel.PARAMETERS)
-    other = pkg.InferenceModel(device="meta")  # shapes only (no seeded init), then real tensors assigned
-    state = {k: v.clone() for k, v in state.items()}
-    state["lm_head.weight"] *= 2
-    other.load_state_dict(state, strict=True, assign=True)
-    with torch.no_grad():
-        doubled, _ = other.prefill(tokens)
-        assert rel(doubled, 2 * before) <= 1e-5
-        other.load_state_dict(infer.state_dict(), strict=True)  # the cached decoder must not be reused
-        again, _ = other.prefill(tokens)
-    assert rel(again, before) <= 1e-6
+    pkg.InferenceModel(device="meta").load_state_dict(state, strict=True, assign=True)
+    original = {k: v.clone() for k, v in state.items()}
+    doubled = {**original, "lm_head.weight": 2 * original["lm_head.weight"]}
+    try:
+        infer.load_state_dict(doubled, strict=True)
+        with torch.no_grad():
+            logits, _ = infer.prefill(TOKENS)
+    finally:
+        infer.load_state_dict(original, strict=True)
+    assert rel(logits, 2 * prefilled[0]) <= 1e-5

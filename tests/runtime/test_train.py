@@ -1,0 +1,213 @@
+"""`k3compile train` on the emitted k3-tiny Model: logging, exact resume, checkpoint checks, bad input, the optimizer.
+
+k3-tiny is built once for the module (by a first training run from the spec) and trained at batch 2 x 32.
+"""
+
+import errno
+import json
+import math
+import shutil
+
+import pytest
+import torch
+
+import k3compile
+from k3compile.runtime import checkpoint as ckpt
+from k3compile.runtime.data import load_corpus
+from k3compile.runtime.schedule import lr_at
+from k3compile.runtime.train import TrainError, head_splits, make_optimizer
+from k3compile.spec.load import load_spec
+from k3compile.spec.schema import Schedule
+
+from ..conftest import K3_TINY
+
+SMALL = ("training.seq_len=32", "training.batch_size=2")
+
+
+@pytest.fixture(scope="module")
+def corpus_file(tmp_path_factory):
+    path = tmp_path_factory.mktemp("data") / "corpus.txt"
+    path.write_bytes(load_corpus(None, max_bytes=40_000).data)
+    return path
+
+
+@pytest.fixture(scope="module")
+def spec_run(tmp_path_factory, corpus_file):
+    """(records, run folder) of `train(specs/k3-tiny.yaml, 2 steps)`: builds into <run>/build."""
+    out = tmp_path_factory.mktemp("spec") / "run"
+    records = k3compile.train(K3_TINY, 2, data=corpus_file, out=out, overrides=SMALL, eval_every=1, progress=False)
+    return records, out
+
+
+@pytest.fixture(scope="module")
+def build(spec_run):
+    return spec_run[1] / "build" / "k3_tiny"
+
+
+def _train(build, out, steps, corpus_file, **kw):
+    return k3compile.train(build, steps, data=corpus_file, out=out, overrides=SMALL, progress=False, **kw)
+
+
+def test_a_spec_is_built_trained_logged_and_checkpointed(spec_run):
+    records, out = spec_run
+    assert (out / "build" / "k3_tiny" / "model.py").is_file()
+    assert [r["step"] for r in records] == [1, 2]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert lines == records
+    spec = load_spec(K3_TINY, list(SMALL))
+    for r in records:
+        assert {"loss", "lr", "tokens_per_s", "imbalance", "dropped", "grad_norm", "val_loss"} <= set(r)
+        assert r["lr"] == lr_at(r["step"] - 1, 2, spec.training.lr, spec.training.schedule)
+        assert math.isfinite(r["loss"]) and r["imbalance"] >= 1.0 and 0.0 <= r["dropped"] <= 1.0
+    state = ckpt.load(out / "checkpoints")
+    assert state.step == 2 and state.meta["spec_name"] == "k3-tiny"
+    biases = [v for k, v in state.tensors.items() if k.endswith("moe.router.bias")]
+    assert len(biases) == 7 and all(b.abs().sum() > 0 for b in biases)  # quantile balancing moved them
+    assert "optim/layers.0.attn.q_proj.weight/momentum_buffer" in state.tensors
+    assert {"rng/torch", "rng/data"} <= set(state.tensors)
+
+
+def test_resume_reproduces_an_uninterrupted_run_exactly(build, tmp_path, corpus_file):
+    straight = _train(build, tmp_path / "a", 6, corpus_file, eval_every=3)
+    first = _train(build, tmp_path / "b", 6, corpus_file, eval_every=3, stop_after=3)
+    assert [r["step"] for r in first] == [1, 2, 3] and ckpt.committed(tmp_path / "b" / "checkpoints") == [3]
+    resumed = _train(build, tmp_path / "b", 6, corpus_file, eval_every=3, resume=True)
+    assert resumed[-1]["loss"] == straight[-1]["loss"]  # step 6, bit for bit
+    key = lambda r: (r["step"], r["loss"], r["lr"], r.get("val_loss"), r["imbalance"])  # noqa: E731
+    assert list(map(key, resumed)) == list(map(key, straight))
+    a, b = ckpt.load(tmp_path / "a" / "checkpoints"), ckpt.load(tmp_path / "b" / "checkpoints")
+    assert a.step == b.step == 6 and all(torch.equal(a.tensors[k], b.tensors[k]) for k in a.tensors)
+
+
+def test_disk_full_during_training_keeps_the_previous_checkpoint(build, tmp_path, corpus_file, monkeypatch):
+    real, calls = ckpt._write_all, []
+
+    def full_on_second_save(fd, data):
+        calls.append(fd)
+        if len(calls) > 2:  # the first save writes two files
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, data)
+
+    monkeypatch.setattr(ckpt, "_write_all", full_on_second_save)
+    with pytest.raises(ckpt.CheckpointError, match="No space left on device; the previous checkpoint step-000001"):
+        _train(build, tmp_path / "run", 2, corpus_file, eval_every=1)
+    assert ckpt.committed(tmp_path / "run" / "checkpoints") == [1]
+    assert ckpt.load(tmp_path / "run" / "checkpoints").step == 1
+
+
+def test_resume_refuses_a_checkpoint_of_another_model(spec_run, build, tmp_path, corpus_file):
+    state = ckpt.load(spec_run[1] / "checkpoints")
+    tensors = dict(state.tensors)
+    del tensors["model/layers.2.attn.q_proj.weight"]
+    tensors["model/layers.8.attn.q_proj.weight"] = torch.zeros(2, 2)
+    tensors["model/embed.weight"] = torch.zeros(512, 256)
+    ckpt.save(tmp_path / "run" / "checkpoints", 2, tensors, {"spec_name": "other"})
+    with pytest.raises(ckpt.CheckpointError) as e:
+        _train(build, tmp_path / "run", 4, corpus_file, resume=True)
+    message = str(e.value)
+    assert "\n" not in message and "spec 'other'" in message
+    assert "missing layers.2.attn.q_proj.weight" in message
+    assert "unexpected layers.8.attn.q_proj.weight" in message
+    assert "embed.weight [512, 256] vs [256, 256]" in message
+
+
+def test_a_truncated_checkpoint_stops_resume_with_one_line(spec_run, build, tmp_path, cli):
+    out = tmp_path / "run"
+    shutil.copytree(spec_run[1] / "checkpoints", out / "checkpoints")
+    tensor_file = ckpt.paths(out / "checkpoints", 2)[0]
+    tensor_file.write_bytes(tensor_file.read_bytes()[:1000])
+    rc, stdout, err = cli("train", build, "--steps", "3", "--out", out, "--resume", *[f"--set={s}" for s in SMALL])
+    assert rc == 2 and err.count("\n") == 1 and "truncated" in err and err.startswith("error: checkpoint ")
+
+
+def test_cli_trains_and_compares_with_the_unigram_entropy(build, tmp_path, corpus_file, cli):
+    args = ["--steps", "1", "--data", corpus_file, "--out", tmp_path / "run", *[f"--set={s}" for s in SMALL]]
+    rc, out, err = cli("train", build, *args)
+    assert rc == 0, err
+    assert "unigram entropy of the training bytes" in out and "final validation loss" in out
+    rc, out, err = cli("train", build, *args)
+    assert rc == 2 and "already holds a checkpoint (step 1); pass --resume" in err
+
+
+@pytest.mark.parametrize(
+    "case", ["steps 0", "empty file", "no text", "too short", "out under a file", "small vocab", "architecture"]
+)
+def test_bad_input_is_one_line_exit_2_and_no_output(case, build, tmp_path, corpus_file, cli):
+    out = tmp_path / "run"
+    data, source, steps, extra = corpus_file, build, "2", list(SMALL)
+    if case == "steps 0":
+        steps = "0"
+    elif case == "empty file":
+        data = tmp_path / "empty.txt"
+        data.write_bytes(b"")
+    elif case == "no text":
+        data = tmp_path / "blobs"
+        data.mkdir()
+        (data / "a.bin").write_bytes(b"\x00\xff" * 100)
+    elif case == "too short":
+        data = tmp_path / "short.txt"
+        data.write_bytes(b"x" * 40)
+    elif case == "out under a file":
+        (tmp_path / "file").write_text("")
+        out = tmp_path / "file" / "run"
+    elif case == "small vocab":
+        source, extra = K3_TINY, [*extra, "vocab_size=128"]
+    else:
+        extra = [*extra, "hidden_size=128"]
+    rc, stdout, err = cli("train", source, "--steps", steps, "--data", data, "--out", out, *[f"--set={s}" for s in extra])
+    assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    assert not out.exists()
+    expected = {
+        "steps 0": "steps must be at least 1",
+        "empty file": "is empty (0 bytes)",
+        "no text": "holds no text files",
+        "too short": "needs at least 66",
+        "out under a file": "cannot write to output folder",
+        "small vocab": "vocab_size 128; byte-level training needs at least 256",
+        "architecture": "--set changes hidden_size",
+    }[case]
+    assert expected in err
+
+
+def test_schedule_by_hand():
+    cosine = Schedule(kind="cosine", warmup_steps=2, min_lr_ratio=0.1)
+    assert [lr_at(s, 7, 1.0, cosine) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
+    assert lr_at(4, 7, 1.0, cosine) == pytest.approx(0.1 + 0.9 * 0.5)  # half-way through the decay
+    assert lr_at(6, 7, 1.0, cosine) == pytest.approx(0.1)
+    linear = Schedule(kind="linear", warmup_steps=0, min_lr_ratio=0.0)
+    assert [lr_at(s, 5, 2.0, linear) for s in range(5)] == pytest.approx([2.0, 1.5, 1.0, 0.5, 0.0])
+    assert lr_at(3, 10, 2.0, Schedule(kind="constant", warmup_steps=1)) == 2.0
+    assert lr_at(0, 1, 2.0, Schedule(kind="cosine")) == 2.0  # a single update is at the peak
+
+
+@pytest.mark.parametrize("optimizer", ["per_head_muon", "muon", "adamw"])
+def test_optimizer_groups_follow_the_spec(build, optimizer):
+    spec = load_spec(K3_TINY, [f"training.optimizer={optimizer}"])
+    model = k3compile.load(build).Model(device="meta")
+    named = list(model.named_parameters())
+    opt = make_optimizer(spec, named)
+    group_of = {id(p): g for g in opt.param_groups for p in g["params"]}
+    g = {name: group_of[id(p)] for name, p in named}
+    assert sum(len(x["params"]) for x in opt.param_groups) == len(named)
+    assert not g["embed.weight"]["use_muon"] and g["embed.weight"]["weight_decay"] == 0.1
+    assert not g["layers.0.attn_norm.weight"]["use_muon"] and g["layers.0.attn_norm.weight"]["weight_decay"] == 0.0
+    muon = {n for n in g if g[n]["use_muon"]}
+    if optimizer == "adamw":
+        assert not muon
+        return
+    assert {"layers.0.attn.q_proj.weight", "layers.1.moe.experts.up_proj.weight", "layers.3.attn.kv_b_proj.weight"} <= muon
+    splits = {n: g[n]["head_split"] for n in muon if g[n]["head_split"] != 1}
+    if optimizer == "muon":
+        assert not splits
+    else:
+        assert splits == head_splits(spec)  # every listed projection exists in k3-tiny (no q_proj in MLA: q_lora)
+        assert splits["layers.0.attn.v_proj.weight"] == 4 and splits["layers.3.attn.q_b_proj.weight"] == 4
+        assert "layers.3.attn.q_proj.weight" not in splits
+
+
+def test_train_rejects_bad_arguments_before_anything_else(tmp_path):
+    with pytest.raises(TrainError, match="eval_every must be at least 1"):
+        k3compile.train(K3_TINY, 1, out=tmp_path / "x", eval_every=0, progress=False)
+    with pytest.raises(TrainError, match="no such spec or build"):
+        k3compile.train(tmp_path / "missing.yaml", 1, out=tmp_path / "x", progress=False)
+    assert not (tmp_path / "x").exists()
