@@ -128,9 +128,9 @@ def kda_recurrent_ref(
 
 LOG2E = 1.4426950408889634  # exp(x) == exp2(x * LOG2E); exp2 is about 3x faster than exp on CPU
 
-# The diagonal 8x8 blocks of the score matrices factor exp(G_i - G_j) through the block's middle row, a
-# span of at most 4 steps; a per-step floor on g keeps those factors (and the backward's products of them
-# with gradients) inside the exponent range: fp32 4 * 18 * LOG2E = 104 < 127, float64 4 * 170 * LOG2E < 1023.
+# The diagonal 8x8 blocks of the score matrices factor exp(G_i - G_j) through the block's middle, a span
+# of at most 4 steps; a per-step floor on g keeps those factors (and the backward's products of them with
+# gradients) inside the exponent range: fp32 4 * 18 * LOG2E = 104 < 127, float64 4 * 170 * LOG2E < 1023.
 # The floor only bites where a decay exp(g) is below exp(-18) ~ 1.5e-8 (fp32), and then moves a product
 # that small by less than it.
 _BASE = 8
@@ -215,36 +215,41 @@ def _decay_factors(g2: Tensor) -> Tensor:
     Gamma = exp(G), Gamma_{i->C} = exp(G_C - G), the base blocks' 2^D and 2^-D, then one slot per halving
     level holding its row factors (lower halves) and column factors (upper halves), see _score_pieces.
 
-    Every exponent is summed directly, never a difference of two long sums: G is accumulated in float64 (an
-    fp32 cumsum loses about 1e-5 of the differences of nearby tokens at |G| ~ 300), and the base exponents
-    D_i - D_r (r = the last row of a block's upper half; floored decays, see _BASE_G_FLOOR) are sums of at
-    most 4 steps, built row by row.
+    No exponent is a difference of two long sums (an fp32 cumsum over the chunk loses ~1e-5 of the decay
+    between nearby tokens at |G| ~ 300): prefix sums and exclusive suffix sums within blocks of 8 grow
+    level by level into those within blocks of 16, 32, ..., C by adding the other half's total (all terms
+    share a sign), and each level takes its factors from them on the way. The base exponents, from the
+    floored decays (see _BASE_G_FLOOR), are sums of at most 4 steps on either side of the block's middle.
     """
     C = g2.shape[-2]
     b = min(C, _BASE)
     F = g2.new_empty(4 + _n_levels(C), *g2.shape)
-    G = g2.double().cumsum(-2)
-    scratch = torch.sub(G[..., -1:, :], G)
-    F[0].copy_(G)
-    F[1].copy_(scratch)
+    gb = g2.unflatten(-2, (C // b, b))
+    prefix, suffix = F[0].unflatten(-2, (C // b, b)), F[1].unflatten(-2, (C // b, b))
+    torch.cumsum(gb, -2, out=prefix)
+    suffix[..., -1, :].zero_()
+    for i in range(b - 2, -1, -1):
+        torch.add(suffix[..., i + 1, :], gb[..., i + 1, :], out=suffix[..., i, :])
+
     floored = g2.clamp_min(_BASE_G_FLOOR[g2.dtype] * LOG2E).unflatten(-2, (C // b, b))
     D, m = F[2].unflatten(-2, (C // b, b)), b // 2
-    D[..., m, :].copy_(floored[..., m, :])  # lower half: sum of the steps r+1..i
+    D[..., m, :].copy_(floored[..., m, :])  # lower half: the steps m..i
     for i in range(m + 1, b):
         torch.add(D[..., i - 1, :], floored[..., i, :], out=D[..., i, :])
-    if m:  # upper half: minus the sum of the steps i+1..r
+    if m:  # upper half: minus the steps i+1..m-1
         D[..., m - 1, :].zero_()
     for i in range(m - 2, -1, -1):
         torch.sub(D[..., i + 1, :], floored[..., i + 1, :], out=D[..., i, :])
     torch.neg(F[2], out=F[3])
+
     for f in F[4:]:
-        b *= 2
-        h = b // 2
-        Gb, sb = G.unflatten(-2, (C // b, b)), scratch.unflatten(-2, (C // b, b))
-        G_r = Gb[..., h : h + 1, :]
-        torch.sub(Gb[..., h:, :], G_r, out=sb[..., h:, :])
-        torch.sub(G_r, Gb[..., :h, :], out=sb[..., :h, :])
-        f.copy_(scratch)
+        h, b = b, 2 * b
+        prefix, suffix, fb = (x.unflatten(-2, (C // b, b)) for x in (F[0], F[1], f))
+        fb[..., h:, :].copy_(prefix[..., h:, :])  # rows: exp(G_i - G_r), r the last row of the upper half
+        fb[..., :h, :].copy_(suffix[..., :h, :])  # columns: exp(G_r - G_j)
+        lower_total = prefix[..., -1:, :].clone()
+        prefix[..., h:, :] += prefix[..., h - 1 : h, :]
+        suffix[..., :h, :] += lower_total
     return F.exp2_()
 
 
@@ -253,9 +258,9 @@ def _score_pieces(F: Tensor) -> list[tuple[int, slice, slice, Tensor, Tensor, Te
 
     In every b x b diagonal block, entries rows x cols are A[i,j] = sum_d (x_id r_id) (k_jd c_jd), with
     x = q for A_qk and k for A_kk, and r_i c_j = exp(G_i - G_j) never formed as exp(G_i) exp(-G_j) (that
-    overflows for strong decays). Base (b = 8): whole blocks, through the block's middle row with floored
+    overflows for strong decays). Base (b = 8): whole blocks, through the block's middle with floored
     per-step decays, masked to j <= i (qk) and j < i (kk). Levels b = 16, 32, ..., C: the lower-left
-    quadrant of every block, through the first row r of its lower half: exp(G_i - G_r) and exp(G_r - G_j),
+    quadrant of every block, through the last row r of its upper half: exp(G_i - G_r) and exp(G_r - G_j),
     both in (0, 1]. Factors come from _decay_factors, viewed [..., C/b, rows or cols, K].
     """
     C = F.shape[-2]

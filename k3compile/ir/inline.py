@@ -44,6 +44,7 @@ def inline_module(
     for old, new in val_map.items():
         if old.op == "get_attr":
             new.target = f"{path}.{old.target.removeprefix('m.')}"
+            new._rename(new.target.replace(".", "_"))  # readable generated code: layers_3_attn_q_proj_weight
         if old.op != "placeholder":
             new.meta["origin"] = path
     node.replace_all_uses_with(out)
