@@ -1,21 +1,25 @@
 """CPU decode benchmark: decode tokens/s and cache bytes at growing context, hybrid KDA:MLA against all-MLA.
 
-    python bench/decode_cpu.py                      # contexts 256 .. 16384 (k3-tiny's context_length), ~3 min
-    python bench/decode_cpu.py --max-context 2048   # skip the largest contexts
-    python bench/decode_cpu.py --fill prefill       # a real chunked prefill up to every point (slow: ~8 ms/token)
+    python bench/decode_cpu.py                      # contexts 256 .. 16384 (k3-tiny's context_length), ~4 min
+    python bench/decode_cpu.py --max-context 4096   # skip the largest contexts (~40 s)
+    python bench/decode_cpu.py --fill tile          # tile one real chunk's MLA latents instead (~15 s)
     python bench/decode_cpu.py --tiny               # seconds-long smoke run (contexts 16, 32)
 
 Each spec is built (`--mode infer`) into a temporary folder and run through its InferenceModel's
 decoder with the seeded weights, fp32, batch 1. A context point N is reached by filling the cache
 to N - steps - 1 tokens, then decoding one untimed warm-up step and `--steps` timed steps, so the
 timed steps attend over the last contexts before N and the cache ends holding exactly N tokens;
-its bytes are read there (`DecodeCache.nbytes()`: KDA state vs MLA latents).
+its bytes are read there (`DecodeCache.nbytes()`: KDA state vs MLA latents). Tokens/s is the
+inverse of the median step time, which is robust to other load on a shared machine. One torch
+thread by default: a one-token step's ops are too small to split, and on a busy 2-core machine
+extra threads mostly wait on each other (k3-tiny: 48 ms a step on 1 thread, 0.1-0.7 s on 2).
 
-Filling the cache: `--fill prefill` prefills random bytes through the model in `--chunk`-token
-chunks, growing one cache from point to point. `--fill tile` (default) prefills one chunk for real
-and repeats each MLA layer's real latent rows up to N; the KDA state is the real one, whose size
-does not depend on position. A decode step's work depends only on the cache's shapes, so both
-fills time the same computation; the tiled one skips minutes of prefill per variant on a CPU.
+Filling the cache: `--fill prefill` (default) prefills random bytes through the model in
+`--chunk`-token chunks, growing one cache from point to point, so the largest point costs one
+chunked prefill in all. `--fill tile` prefills one chunk for real and repeats each MLA layer's real
+latent rows up to N; the KDA state is the real one, whose size does not depend on position. A
+decode step's work depends only on the cache's shapes, so both fills time the same computation;
+the tiled one skips the minutes of prefill.
 Nothing here is asserted on; the cache-bytes facts are tested in tests/runtime/test_generate.py.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -63,7 +68,7 @@ def tiled_caches(
     """One real prefill of min(chunk, smallest context) tokens; per context, its MLA latent rows repeated to length."""
     base_len = min(chunk, min(contexts))
     start = time.perf_counter()
-    (_, base, _), = grow_cache(decoder, [base_len], chunk, seed)
+    _, base, _ = next(grow_cache(decoder, [base_len], chunk, seed))
     seconds = time.perf_counter() - start
     for context in sorted(contexts):
         reps = -(-context // base_len)
@@ -86,16 +91,20 @@ def cache_bytes_by_context(decoder: Decoder, contexts: list[int], chunk: int = 1
 
 @torch.no_grad()
 def decode_from(decoder: Decoder, cache: DecodeCache, steps: int) -> tuple[float, DecodeCache]:
-    """(seconds per decode step over `steps` steps after one untimed warm-up step, the final cache)."""
+    """(median seconds of `steps` decode steps after one untimed warm-up step, the final cache)."""
     token = torch.zeros(1, 1, dtype=torch.long)
     _, cache = decoder(token, cache)
-    start = time.perf_counter()
+    times = []
     for _ in range(steps):
+        start = time.perf_counter()
         _, cache = decoder(token, cache)
-    return (time.perf_counter() - start) / steps, cache
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), cache
 
 
-def measure(decoder: Decoder, contexts: list[int], steps: int, chunk: int, fill: str = "tile", say=None) -> list[dict]:
+def measure(
+    decoder: Decoder, contexts: list[int], steps: int, chunk: int, fill: str = "prefill", say=None
+) -> list[dict]:
     """One row per context N: bytes of the cache holding N tokens, decode tokens/s just before N, fill seconds."""
     if min(contexts) <= steps + 1:
         raise ValueError(f"contexts must exceed steps + 1 = {steps + 1}")
@@ -139,12 +148,13 @@ def render(results: dict[str, list[dict]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-context", type=int, default=max(CONTEXTS), help="skip contexts above this (default 16384)")
-    p.add_argument("--steps", type=int, default=8, help="timed decode steps per context point (default 8)")
+    p.add_argument("--steps", type=int, default=12, help="timed decode steps per context point (default 12)")
     p.add_argument("--chunk", type=int, default=1024, help="prefill chunk in tokens (default 1024)")
-    p.add_argument("--fill", choices=("tile", "prefill"), default="tile",
-                   help="how the cache reaches each context: tile real latents (default) or prefill every token")
+    p.add_argument("--fill", choices=("prefill", "tile"), default="prefill",
+                   help="how the cache reaches each context: prefill every token (default) or tile real latents")
     p.add_argument("--variant", choices=sorted(VARIANTS), action="append", help="only these variants (repeatable)")
-    p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads; default: torch's choice")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads (default 1: one-token ops are too small to split; 0: torch's choice)")
     p.add_argument("--tiny", action="store_true", help="contexts 16 and 32, 2 steps: a smoke run")
     args = p.parse_args(argv)
     if args.threads:

@@ -7,8 +7,10 @@ The recurrence per head (reference section 2), with S decayed first and then cor
 
 Three independent forms live here: `kda_naive` (the literal matrix recurrence, float64-capable, for tests),
 `kda_recurrent_ref` (token-by-token in fp32, built on the decode step `kda_step_ref`) and `kda_chunk_ref`
-(the chunkwise-parallel UT-transform form used for training and prefill). Decays and states are fp32 (bf16
-rounds a decay of 0.998 to 1.0; float64 inputs stay float64, for gradchecks); outputs take v's dtype.
+(the chunkwise-parallel UT-transform form used for training and prefill). The chunked form comes as a
+forward that keeps what its backward needs (`kda_chunk_fwd`) and a hand-derived backward (`kda_chunk_bwd`),
+so a training step runs the forward once. Decays and states are fp32 (bf16 rounds a decay of 0.998 to 1.0;
+float64 inputs stay float64, for gradchecks); outputs take v's dtype.
 """
 
 from __future__ import annotations
@@ -390,7 +392,10 @@ def kda_chunk_fwd(
     inject = KX[..., K:]
 
     S = q.new_empty(N, B, H, K, V)
-    S[0].copy_(initial_state_BHKV) if initial_state_BHKV is not None else S[0].zero_()
+    if initial_state_BHKV is None:
+        S[0].zero_()
+    else:
+        S[0].copy_(initial_state_BHKV)
     for n in range(N - 1):
         torch.baddbmm(_flat(inject[n]), _flat(transition[n]), _flat(S[n]), out=_flat(S[n + 1]))
     S_final = torch.baddbmm(_flat(inject[-1]), _flat(transition[-1]), _flat(S[-1])).unflatten(0, (B, H))
@@ -469,9 +474,10 @@ def kda_chunk_bwd(
     for piece in levels:
         _score_piece_backward(s.q, s.k, piece, dA, dq, dk_plus, dk_minus)
     dG = dq * s.q
-    dG.addcmul_(dk_plus.sub_(dk_minus), s.k)
+    dk_diff = dk_plus.sub_(dk_minus)  # in place: dk_plus is not needed on its own again
+    dG.addcmul_(dk_diff, s.k)
     dG[..., -1, :] += dG_last
-    dk = dk_plus.add_(dk_minus, alpha=2)  # (dk_plus - dk_minus) + 2 dk_minus
+    dk = dk_diff.add_(dk_minus, alpha=2)
     # dg = suffix sums of dG along the chunk (G = cumsum(g)), as a matmul with a triangle of ones: much
     # faster than a reversed cumsum on CPU.
     dg = _suffix_sums(dG)

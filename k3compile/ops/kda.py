@@ -3,6 +3,10 @@
 Layout: q, k [B,T,H,K]; v [B,T,H,V]; g [B,T,H,K] log decay (<= 0); beta [B,T,H]; state [B,H,K,V] fp32.
 q and k are used as given (the layer L2-normalises them first); the default scale is K**-0.5.
 Outputs take v's dtype; the state is fp32 (float64 for float64 inputs).
+
+k3::kda_chunk has its own backward, k3::kda_chunk_bwd (kernels.kda.kda_chunk_bwd): the forward returns the
+per-chunk states and intermediates it computed as extra outputs, and the backward reads them instead of
+running the forward again under torch.func.vjp. The other ops use the registry's generic backward.
 """
 
 from __future__ import annotations
@@ -53,7 +57,9 @@ def kda_chunk_op(
 
 def _chunk_bwd_fake(do, dstate, saved, q, k, v, g, beta, scale, initial_state):
     grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)]
-    return grads + [q.new_empty(0) if initial_state is None else torch.empty_like(initial_state)]
+    if initial_state is None:
+        return grads + [q.new_empty(0)]
+    return grads + [torch.empty_like(initial_state, memory_format=torch.contiguous_format)]
 
 
 @k3_op("kda_chunk_bwd", fake=_chunk_bwd_fake)
@@ -75,6 +81,7 @@ def kda_chunk_bwd_op(
 
 
 def _chunk_setup_context(ctx, inputs, output):
+    """Keeps the forward's saved outputs, and the inputs for their shapes and dtypes."""
     q, k, v, g, beta, scale, initial_state, _ = inputs
     ctx.scale = scale
     ctx.mark_non_differentiable(*output[2:])

@@ -165,7 +165,8 @@ def load(json_path: Path) -> Checkpoint:
     except OSError as e:
         raise CheckpointError(f"{where}: cannot read {tensor_path.name}: {e.strerror}") from None
     if len(payload) != meta.get("bytes"):
-        raise CheckpointError(f"{where} is truncated ({tensor_path.name} has {len(payload)} of {meta.get('bytes')} bytes)")
+        have = f"{tensor_path.name} has {len(payload)} of {meta.get('bytes')} bytes"
+        raise CheckpointError(f"{where} is truncated ({have})")
     if zlib.crc32(payload) != meta.get("crc32"):
         raise CheckpointError(f"{where} is corrupted ({tensor_path.name} fails its CRC-32 check)")
     try:
@@ -187,7 +188,7 @@ def mismatches(expected: Mapping[str, tuple], found: Mapping[str, tuple]) -> str
     """'' when both name->shape maps agree, else one line naming the missing, unexpected and reshaped tensors."""
     missing = [k for k in expected if k not in found]
     unexpected = [k for k in found if k not in expected]
-    shaped = [f"{k} {list(found[k])} vs {list(expected[k])}" for k in expected if k in found and found[k] != expected[k]]
+    shaped = [f"{k} {list(found[k])} vs {list(v)}" for k, v in expected.items() if k in found and found[k] != v]
     parts = []
     if missing:
         parts.append(f"missing {_list(missing)}")
@@ -242,6 +243,7 @@ def restore_optimizer(optimizer: torch.optim.Optimizer, names: list[tuple[str, T
                 continue
             state.setdefault(params[name], {})[slot] = value.clone().to(params[name].device)
     if unknown:
-        raise CheckpointError(f"{ckpt.path} holds optimizer state for unknown parameters: {_list(sorted(set(unknown)))}")
+        names = _list(sorted(set(unknown)))
+        raise CheckpointError(f"{ckpt.path} holds optimizer state for unknown parameters: {names}")
     optimizer.state.clear()
     optimizer.state.update(state)

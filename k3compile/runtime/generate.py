@@ -230,9 +230,10 @@ def top_p_filter(probs_V: Tensor, top_p: float) -> Tensor:
 def sample_next(logits_V: Tensor, temperature: float, top_p: float, generator: torch.Generator) -> int:
     """Greedy (first maximum) at temperature 0, else a top-p sample of softmax(logits / temperature)."""
     logits_V = logits_V.float()
-    if temperature == 0:
+    scaled = logits_V / temperature if temperature > 0 else logits_V
+    if temperature == 0 or not torch.isfinite(scaled).all():  # a temperature so small it overflows is greedy
         return int(logits_V.argmax())
-    probs = top_p_filter(torch.softmax(logits_V / temperature, dim=-1), top_p)
+    probs = top_p_filter(torch.softmax(scaled, dim=-1), top_p)
     return int(torch.multinomial(probs, 1, generator=generator))
 
 

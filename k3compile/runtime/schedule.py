@@ -11,7 +11,8 @@ def lr_at(step: int, total_steps: int, peak_lr: float, schedule: Schedule) -> fl
     """Learning rate of update `step` (0-based) in a run of `total_steps` updates.
 
     Warmup: peak * (step + 1) / warmup_steps for the first warmup_steps updates. Then the decay runs from
-    the peak (first update after warmup) to peak * min_lr_ratio (the last update); a single update after warmup gets the peak; constant stays at the peak.
+    the peak (first update after warmup) to peak * min_lr_ratio (the last update); a single update after
+    warmup gets the peak. constant stays at the peak.
     """
     warmup = schedule.warmup_steps
     if step < warmup:

@@ -335,16 +335,22 @@ class _Quiet:
     def print(self, *args, **kwargs) -> None:
         pass
 
+    def begin(self, step: int) -> None:
+        pass
+
     def update(self, *args, **kwargs) -> None:
         pass
 
 
 @contextmanager
-def _display(enabled: bool, total: int, start: int, name: str) -> Iterator:
+def _display(enabled: bool, total: int, name: str) -> Iterator:
     if not enabled:
         yield _Quiet()
         return
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn,
+    )  # fmt: skip
 
     columns = (
         TextColumn(f"[bold]{name}"),
@@ -355,25 +361,27 @@ def _display(enabled: bool, total: int, start: int, name: str) -> Iterator:
         TextColumn("eta"),
         TimeRemainingColumn(),
     )
-    from rich.console import Console
-
     console = Console(highlight=False)
     if not console.is_terminal:
         console = Console(highlight=False, width=140)
     with Progress(*columns, console=console) as progress:
-        task = progress.add_task("train", total=total, completed=start, loss="-", speed="-", imb="-")
+        task = progress.add_task("train", total=total, loss="-", speed="-", imb="-")
 
         class Bar:
             def __init__(self):
                 self.print = progress.console.print
+
+            def begin(self, step: int) -> None:
+                """Start counting at `step` (a resumed run), so the time estimate ignores the steps done before."""
+                progress.reset(task, completed=step)
 
             def update(self, record: dict) -> None:
                 imb = record.get("imbalance")
                 progress.update(
                     task,
                     completed=record["step"],
-                    loss=f"{record['loss']:.3f}",
-                    speed=f"{record['tokens_per_s']:.0f}",
+                    loss=f"{record['loss']:.3f}" if "loss" in record else "-",
+                    speed=f"{record['tokens_per_s']:.0f}" if "tokens_per_s" in record else "-",
                     imb="-" if imb is None else f"{imb:.2f}",
                 )
 
@@ -444,7 +452,7 @@ def train(
     train_tokens, val_tokens = split(corpus.data, t.seq_len)
     out = Path(out) if out is not None else Path("runs") / spec.name
     created = prepare_out(out, resume)
-    with _display(progress, steps, 0, spec.name) as display:
+    with _display(progress, steps, spec.name) as display:
         say = display.print
         try:
             if package is None:
@@ -505,7 +513,7 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
     stop = steps if stop_after is None else min(steps, start + stop_after)
     last_saved = start
     with _interrupt_flag() as interrupted, open(metrics_path, "a") as log:
-        display.update({"step": start, "loss": float("nan"), "tokens_per_s": 0.0})
+        display.begin(start)
         for step in range(start, stop):
             record = train_step(run, step, steps)
             n = record["step"]

@@ -155,7 +155,8 @@ def test_bad_input_is_one_line_exit_2_and_no_output(case, build, tmp_path, corpu
         source, extra = K3_TINY, [*extra, "vocab_size=128"]
     else:
         extra = [*extra, "hidden_size=128"]
-    rc, stdout, err = cli("train", source, "--steps", steps, "--data", data, "--out", out, *[f"--set={s}" for s in extra])
+    sets = [f"--set={s}" for s in extra]
+    rc, stdout, err = cli("train", source, "--steps", steps, "--data", data, "--out", out, *sets)
     assert rc == 2 and err.startswith("error: ") and err.count("\n") == 1, err
     assert not out.exists()
     expected = {
@@ -196,7 +197,9 @@ def test_optimizer_groups_follow_the_spec(build, optimizer):
     if optimizer == "adamw":
         assert not muon
         return
-    assert {"layers.0.attn.q_proj.weight", "layers.1.moe.experts.up_proj.weight", "layers.3.attn.kv_b_proj.weight"} <= muon
+    assert {"layers.0.attn.q_proj.weight", "layers.1.moe.experts.up_proj.weight", "layers.3.attn.kv_b_proj.weight"} <= (
+        muon
+    )
     splits = {n: g[n]["head_split"] for n in muon if g[n]["head_split"] != 1}
     if optimizer == "muon":
         assert not splits
