@@ -1,8 +1,8 @@
 """CPU decode benchmark: decode tokens/s and cache bytes at growing context, hybrid KDA:MLA against all-MLA.
 
-    python bench/decode_cpu.py                      # contexts 256 .. 16384 (k3-tiny's context_length), ~4 min
+    python bench/decode_cpu.py                      # contexts 256 .. 16384 (k3-tiny's context_length), ~3 min
     python bench/decode_cpu.py --max-context 4096   # skip the largest contexts (~40 s)
-    python bench/decode_cpu.py --fill tile          # tile one real chunk's MLA latents instead (~15 s)
+    python bench/decode_cpu.py --fill tile          # tile one real chunk's MLA latents instead (~10 s)
     python bench/decode_cpu.py --tiny               # seconds-long smoke run (contexts 16, 32)
 
 Each spec is built (`--mode infer`) into a temporary folder and run through its InferenceModel's
@@ -10,8 +10,8 @@ decoder with the seeded weights, fp32, batch 1. A context point N is reached by 
 to N - steps - 1 tokens, then decoding one untimed warm-up step and `--steps` timed steps, so the
 timed steps attend over the last contexts before N and the cache ends holding exactly N tokens;
 its bytes are read there (`DecodeCache.nbytes()`: KDA state vs MLA latents). Tokens/s is the
-inverse of the median step time, which is robust to other load on a shared machine. One torch
-thread by default: a one-token step's ops are too small to split, and on a busy 2-core machine
+inverse of the fastest step: on a machine shared with other jobs, slower steps measure their load,
+not the decoder (the work of every step at one point is the same). One torch thread by default: a one-token step's ops are too small to split, and on a busy 2-core machine
 extra threads mostly wait on each other (k3-tiny: 48 ms a step on 1 thread, 0.1-0.7 s on 2).
 
 Filling the cache: `--fill prefill` (default) prefills random bytes through the model in
@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import os
 import platform
-import statistics
 import sys
 import tempfile
 import time
@@ -91,7 +90,7 @@ def cache_bytes_by_context(decoder: Decoder, contexts: list[int], chunk: int = 1
 
 @torch.no_grad()
 def decode_from(decoder: Decoder, cache: DecodeCache, steps: int) -> tuple[float, DecodeCache]:
-    """(median seconds of `steps` decode steps after one untimed warm-up step, the final cache)."""
+    """(fastest of `steps` decode steps after one untimed warm-up step, in seconds; the final cache)."""
     token = torch.zeros(1, 1, dtype=torch.long)
     _, cache = decoder(token, cache)
     times = []
@@ -99,7 +98,7 @@ def decode_from(decoder: Decoder, cache: DecodeCache, steps: int) -> tuple[float
         start = time.perf_counter()
         _, cache = decoder(token, cache)
         times.append(time.perf_counter() - start)
-    return statistics.median(times), cache
+    return min(times), cache
 
 
 def measure(
