@@ -10,7 +10,8 @@ A step is forward + mean next-token loss + backward + the spec's optimizer step 
   eager     k3compile.runtime.decoder.Decoder in train mode with the same weights: the same modules composed
             by hand, experts at the spec's capacity, MX activation fake quantisation but fp32 expert weights;
   compiled  torch.compile of the emitted Model (compile time reported separately, not in tokens/s).
-Tokens/s = batch * seq / median step seconds after one warm-up step; nothing here is asserted on.
+Columns: the first (warm-up) step, then medians over --steps of forward + backward, the optimizer step and
+the whole step; tokens/s = batch * seq / median step seconds. Nothing here is asserted on.
 """
 
 from __future__ import annotations
@@ -33,25 +34,19 @@ from k3compile.spec.load import load_spec
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def step_seconds(step: Callable[[], None], steps: int) -> list[float]:
-    times = []
-    for _ in range(steps):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def trainer(model: torch.nn.Module, loss_fn: Callable, spec, tokens: torch.Tensor) -> Callable[[], None]:
-    """One training step of `model` (loss_fn(model, tokens) -> loss) with the spec's optimizer."""
+def trainer(model: torch.nn.Module, loss_fn: Callable, spec, tokens: torch.Tensor) -> Callable[[], tuple[float, float]]:
+    """One training step of `model` (loss_fn(model, tokens) -> loss) with the spec's optimizer; returns the
+    seconds of forward + backward and of the optimizer step."""
     named = list(model.named_parameters())
     opt = make_optimizer(spec, named)
 
-    def step() -> None:
-        loss = loss_fn(model, tokens)
-        loss.backward()
+    def step() -> tuple[float, float]:
+        start = time.perf_counter()
+        loss_fn(model, tokens).backward()
+        middle = time.perf_counter()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return middle - start, time.perf_counter() - middle
 
     return step
 
@@ -122,12 +117,17 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
             return trainer(torch.compile(model), emitted_loss, spec, tokens)
 
         rows.append(("compiled", compiled))
-    print(f"{'row':<10} {'first step s':>13} {'median s':>9} {'tokens/s':>9}")
+    print(f"{'row':<10} {'first step s':>13} {'fwd+bwd s':>10} {'optim s':>8} {'step s':>7} {'tokens/s':>9}")
     for name, make in rows:
         step = make()
-        first = step_seconds(step, 1)[0]  # warm-up (for compiled: includes compilation)
-        median = statistics.median(step_seconds(step, steps))
-        print(f"{name:<10} {first:>13.2f} {median:>9.2f} {batch * seq / median:>9.0f}", flush=True)
+        first = sum(step())  # warm-up (for compiled: includes compilation)
+        times = [step() for _ in range(steps)]
+        model_s, optim_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
+        total = statistics.median(sum(t) for t in times)
+        print(
+            f"{name:<10} {first:>13.2f} {model_s:>10.2f} {optim_s:>8.2f} {total:>7.2f} {batch * seq / total:>9.0f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -285,6 +285,9 @@ def resume_from(run: Run, say) -> int:
         return 0
     state = ckpt.load(path)
     ckpt.restore_model(run.model, state)
+    missing = [k for k in ("rng/torch", "rng/data") if k not in state.tensors]
+    if missing:
+        raise ckpt.CheckpointError(f"{path} is not a training checkpoint (no {', '.join(missing)})")
     layout = optimizer_layout(run.optimizer, run.named)
     saved = state.meta.get("optimizer", {})
     differ = [f"{n} ({saved.get(n, 'absent')} -> {k})" for n, k in layout.items() if saved.get(n) != k]

@@ -6,7 +6,9 @@ k3-tiny is built once for the module (by a first training run from the spec) and
 import errno
 import json
 import math
+import os
 import shutil
+import signal
 
 import pytest
 import torch
@@ -94,6 +96,26 @@ def test_disk_full_during_training_keeps_the_previous_checkpoint(build, tmp_path
         _train(build, tmp_path / "run", 2, corpus_file, FAST, eval_every=1)
     assert ckpt.committed(tmp_path / "run" / "checkpoints") == [1]
     assert ckpt.load(tmp_path / "run" / "checkpoints").step == 1
+
+
+def test_ctrl_c_stops_after_the_step_with_a_checkpoint(build, tmp_path, corpus_file, monkeypatch):
+    from k3compile.runtime import train as train_module
+
+    real = train_module.train_step
+
+    def step_then_interrupt(run, step, total):
+        if step == 1:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives mid-step: the step still completes
+        return real(run, step, total)
+
+    monkeypatch.setattr(train_module, "train_step", step_then_interrupt)
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        _train(build, tmp_path / "run", 5, corpus_file, FAST)
+    assert ckpt.committed(tmp_path / "run" / "checkpoints") == [2]
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2]
+    assert signal.getsignal(signal.SIGINT) is before
 
 
 def test_resume_refuses_a_checkpoint_of_another_model(spec_run, build, tmp_path, corpus_file):
