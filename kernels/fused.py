@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from k3compile.kernels.activations import situ_glu_ref, swiglu_ref
+from k3compile.kernels.moe import route_ref
 
 
 def linear_glu_ref(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
@@ -16,3 +17,10 @@ def linear_glu_ref(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: fl
     if kind == "swiglu":
         return swiglu_ref(gate, up)
     raise ValueError(f"linear_glu kind must be situ_glu or swiglu, got {kind!r}")
+
+
+def linear_route_ref(
+    x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool, routed_scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Router logits x W^T, scoring, selection bias and top-k in one op (the router's `route` after its matmul)."""
+    return route_ref(F.linear(x, weight), bias, top_k, scoring, renormalize, routed_scale)

@@ -1,8 +1,9 @@
 """fuse: pattern rewrites into fused ops that compute exactly what they replace.
 
 Patterns: residual add + RMSNorm -> add_rms_norm; RMSNorm * sigmoid(gate) ->
-rms_norm_gate; gate/up projections + SiTU-GLU or SwiGLU -> linear_glu. (Routing
-is already one op, k3::moe_route, and KDA emits k3::rms_norm_gate itself.)
+rms_norm_gate; gate/up projections + SiTU-GLU or SwiGLU -> linear_glu; router
+logits + scoring + selection bias + top-k -> linear_route. (KDA emits
+k3::rms_norm_gate itself.)
 """
 
 from __future__ import annotations
@@ -97,11 +98,30 @@ def _fuse_linear_glu(gm: fx.GraphModule) -> int:
     return count
 
 
+def _fuse_router(gm: fx.GraphModule) -> int:
+    """Router logits (a linear used only by the router) + scoring + bias + top-k -> k3::linear_route."""
+    count = 0
+    for route in list(gm.graph.nodes):
+        if not _is(route, (K3.moe_route.default,)):
+            continue
+        logits = route.args[0]
+        if not _is(logits, LINEARS) or len(logits.users) != 1 or (len(logits.args) > 2 and logits.args[2] is not None):
+            continue
+        with gm.graph.inserting_before(route):
+            fused = gm.graph.call_function(K3.linear_route.default, (logits.args[0], logits.args[1], *route.args[1:]))
+        route.replace_all_uses_with(fused)
+        gm.graph.erase_node(route)
+        gm.graph.erase_node(logits)
+        count += 1
+    return count
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
     stats = {
         "add_rms_norm": _fuse_add_rms_norm(gm),
         "rms_norm_gate": _fuse_rms_norm_gate(gm),
         "linear_glu": _fuse_linear_glu(gm),
+        "router": _fuse_router(gm),
     }
     stats["nodes_rewritten"] = sum(stats.values())
     return stats
@@ -109,8 +129,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
 
 PASS = GraphPass(
     name="fuse",
-    summary="rewrite add+RMSNorm, RMSNorm*sigmoid gate and gate/up+GLU into fused ops",
+    summary="rewrite add+RMSNorm, RMSNorm*sigmoid gate, gate/up+GLU and router+top-k into fused ops",
     preserves_numerics=True,
-    statistics=("add_rms_norm", "rms_norm_gate", "linear_glu", "nodes_rewritten"),
+    statistics=("add_rms_norm", "rms_norm_gate", "linear_glu", "router", "nodes_rewritten"),
     run=run,
 )

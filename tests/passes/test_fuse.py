@@ -84,8 +84,21 @@ def test_attn_res_leaves_no_residual_add_to_fuse(record):
     for mode in ("train", "infer"):
         stats = record(mode, "fuse").statistics
         assert stats["add_rms_norm"] == 0 and stats["nodes_rewritten"] == sum(
-            stats[k] for k in ("add_rms_norm", "rms_norm_gate", "linear_glu")
+            stats[k] for k in ("add_rms_norm", "rms_norm_gate", "linear_glu", "router")
         )
+
+
+def test_router_logits_scoring_bias_and_top_k_become_one_op(tiny_spec, tiny_build, record):
+    n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
+    for mode in ("train", "infer"):
+        gm = tiny_build[mode].gm
+        fused = [n for n in gm.graph.nodes if n.target is K3.linear_route.default]
+        assert len(fused) == n_moe == record(mode, "fuse").statistics["router"]
+        assert count(gm, K3.moe_route.default) == 0
+        for n in fused:  # reads the router weight and its selection bias, with the spec's top-k and scoring
+            assert n.args[1].args[0].target.endswith(".moe.router.weight")
+            assert n.args[2].target.endswith(".moe.router.bias")
+            assert n.args[3:5] == (tiny_spec.moe.top_k, tiny_spec.moe.router.scoring)
 
 
 def test_numerics_checked_in_the_build(record):
