@@ -145,8 +145,10 @@ def _keep_buffer_persistence(root: nn.Module, gm: fx.GraphModule) -> None:
     """fx copies buffers as persistent; mark the ones the modules keep out of state_dict again."""
     for path, module in root.named_modules():
         for leaf in module._non_persistent_buffers_set:
-            name = f"{path}.{leaf}" if path else leaf
-            owner = gm.get_submodule(path) if path else gm
+            try:
+                owner = gm.get_submodule(path)
+            except AttributeError:  # fx copied nothing of this module: the graph never reads it
+                continue
             if hasattr(owner, leaf):
                 owner._non_persistent_buffers_set.add(leaf)
 
