@@ -10,16 +10,15 @@ Full mode: the embedding and every earlier sublayer output, one source each.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
+from k3compile.analysis.sources import SUBLAYERS_PER_LAYER, Source, check_mode, source_plan
 from k3compile.modules.norms import RMSNorm
 from k3compile.ops.attn_res import attn_res
 
-SUBLAYERS_PER_LAYER = 2  # attention, then FFN
-MODES = ("block", "full")
+__all__ = ["AttnRes", "AttnResSources", "Source", "source_plan"]
 
 
 class AttnRes(nn.Module):
@@ -37,37 +36,6 @@ class AttnRes(nn.Module):
         return attn_res(sources, self.query, self.norm.weight, self.norm.eps)
 
 
-@dataclass(frozen=True)
-class Source:
-    """One AttnRes source: the embedding (no sublayers) or the sum of the listed sublayer outputs."""
-
-    kind: str  # "embedding", "block" (finished), "partial" (current block) or "sublayer" (full mode)
-    sublayers: tuple[int, ...] = ()
-
-
-def _check(mode: str, block_size: int | None) -> None:
-    if mode not in MODES:
-        raise ValueError(f"attn_res mode must be one of {MODES}, got {mode!r}")
-    if (mode == "block") != (block_size is not None):
-        raise ValueError("block mode needs block_size; full mode takes none")
-    if block_size is not None and block_size < 1:
-        raise ValueError(f"block_size must be >= 1, got {block_size}")
-
-
-def source_plan(sublayer: int, mode: str, block_size: int | None = None) -> list[Source]:
-    """The sources the AttnRes before global sublayer `sublayer` mixes, in stacking order."""
-    _check(mode, block_size)
-    plan = [Source("embedding")]
-    if mode == "full":
-        return plan + [Source("sublayer", (k,)) for k in range(sublayer)]
-    per_block = SUBLAYERS_PER_LAYER * block_size
-    current = sublayer // per_block
-    plan += [Source("block", tuple(range(n * per_block, (n + 1) * per_block))) for n in range(current)]
-    if sublayer > current * per_block:
-        plan.append(Source("partial", tuple(range(current * per_block, sublayer))))
-    return plan
-
-
 class AttnResSources:
     """Run-time source list for one forward pass: feed each sublayer output in order, read the stack.
 
@@ -75,7 +43,7 @@ class AttnResSources:
     """
 
     def __init__(self, embedding_BTD: Tensor, mode: str, block_size: int | None = None):
-        _check(mode, block_size)
+        check_mode(mode, block_size)
         self.mode = mode
         self.per_block = SUBLAYERS_PER_LAYER * block_size if block_size is not None else 0
         self.finished: list[Tensor] = [embedding_BTD]
