@@ -1,4 +1,8 @@
-"""bind_kernels: choose an implementation for every op node for the target and record it on the node."""
+"""bind_kernels: choose an implementation for every op node for the target, record it, and set the op's backend.
+
+A k3 node bound to a Triton kernel gets `backend="triton"`, so the emitted module runs that kernel (on CUDA,
+or on CPU under TRITON_INTERPRET=1); every other k3 node gets `backend="torch"`, the PyTorch reference.
+"""
 
 from __future__ import annotations
 
@@ -33,6 +37,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
             stats["k3_ops"] += 1
             stats["triton" if choice["impl"].startswith("triton") else "reference"] += 1
             node.meta["kernel"] = {"op": f"k3::{op}", **choice}
+            node.kwargs = {**node.kwargs, "backend": "triton" if choice["impl"].startswith("triton") else "torch"}
         else:
             stats["native"] += 1
             node.meta["kernel"] = {"op": f"{ns}.{op}", "impl": "native", "reason": "PyTorch built-in"}
@@ -41,7 +46,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
 
 PASS = GraphPass(
     name="bind_kernels",
-    summary="choose PyTorch or Triton implementations per op for the target and record them on the nodes",
+    summary="choose PyTorch or Triton implementations per op for the target; record them and set each op's backend",
     preserves_numerics=True,
     statistics=("k3_ops", "triton", "reference", "native"),
     run=run,

@@ -2,7 +2,10 @@
 
 Patterns: residual add + RMSNorm -> add_rms_norm; RMSNorm * sigmoid(gate) ->
 rms_norm_gate; gate/up projections + SiTU-GLU or SwiGLU -> linear_glu; router
-logits + scoring + selection bias + top-k -> linear_route. (KDA emits
+logits + scoring + selection bias + top-k -> linear_route; the routed experts'
+stacked gate/up matmuls + GLU -> expert_glu and their down matmul ->
+expert_matmul, each reading MXFP4 weights directly (mx_expert_glu,
+mx_expert_matmul) when pack_mxfp4 left them packed. (KDA emits
 k3::rms_norm_gate itself.)
 """
 
@@ -14,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
+import k3compile.ops.experts  # noqa: F401  (registers k3::expert_glu and friends)
 import k3compile.ops.fused  # noqa: F401  (registers k3::linear_glu)
 from k3compile.ir.pass_manager import GraphPass, PassContext
 
@@ -21,6 +25,8 @@ K3 = torch.ops.k3
 ADDS = (operator.add, torch.add)
 LINEARS = (F.linear, torch._C._nn.linear)
 SIGMOIDS = (torch.sigmoid, F.sigmoid)
+MATMULS = (torch.matmul, operator.matmul)
+LAST_TWO = ((-1, -2), (-2, -1))
 
 
 def _is(node, targets) -> bool:
@@ -116,12 +122,108 @@ def _fuse_router(gm: fx.GraphModule) -> int:
     return count
 
 
+def _stacked_weight(mm) -> fx.Node | None:
+    """W when `mm` is matmul(x, W.transpose(-1, -2)) with stacked weights W [..., out, in] (the routed experts)."""
+    if not _is(mm, MATMULS) or len(mm.args) != 2 or len(mm.users) == 0:
+        return None
+    x, t = mm.args
+    if not (isinstance(t, fx.Node) and t.op == "call_method" and t.target == "transpose" and tuple(t.args[1:]) in LAST_TWO):
+        return None
+    w = t.args[0]
+    x_val, w_val = x.meta.get("val") if isinstance(x, fx.Node) else None, w.meta.get("val")
+    if x_val is None or w_val is None or w_val.dim() < 3 or x_val.dim() != w_val.dim():
+        return None
+    return w
+
+
+def _erase_if_unused(gm: fx.GraphModule, *nodes) -> None:
+    for node in nodes:
+        if not node.users:
+            gm.graph.erase_node(node)
+
+
+def _fuse_experts(gm: fx.GraphModule) -> tuple[int, int]:
+    """Stacked-weight gate/up matmuls + GLU -> k3::expert_glu; the remaining stacked matmuls -> k3::expert_matmul."""
+    glu = 0
+    for act in list(gm.graph.nodes):
+        if _is(act, (K3.situ_glu.default,)):
+            gate, up, b1, b2 = act.args
+            kind = "situ_glu"
+        elif _is(act, (K3.swiglu.default,)):
+            (gate, up), b1, b2, kind = act.args, 0.0, 0.0, "swiglu"
+        else:
+            continue
+        wg, wu = _stacked_weight(gate), _stacked_weight(up)
+        if wg is None or wu is None or gate.args[0] is not up.args[0] or len(gate.users) != 1 or len(up.users) != 1:
+            continue
+        with gm.graph.inserting_before(act):
+            fused = gm.graph.call_function(K3.expert_glu.default, (gate.args[0], wg, wu, kind, b1, b2))
+        act.replace_all_uses_with(fused)
+        transposes = (gate.args[1], up.args[1])
+        for dead in (act, gate, up):
+            gm.graph.erase_node(dead)
+        _erase_if_unused(gm, *transposes)
+        glu += 1
+    matmul = 0
+    for mm in list(gm.graph.nodes):
+        w = _stacked_weight(mm)
+        if w is None:
+            continue
+        with gm.graph.inserting_before(mm):
+            fused = gm.graph.call_function(K3.expert_matmul.default, (mm.args[0], w))
+        mm.replace_all_uses_with(fused)
+        t = mm.args[1]
+        gm.graph.erase_node(mm)
+        _erase_if_unused(gm, t)
+        matmul += 1
+    return glu, matmul
+
+
+def _packed_e2m1(w) -> tuple | None:
+    """(data, scale, block) when `w` is an MXFP4 dequantisation read only by the expert op."""
+    if not _is(w, (K3.mx_dequantize.default,)) or len(w.users) != 1:
+        return None
+    data, scale, fmt, block = w.args[:4]
+    return (data, scale, block) if fmt == "e2m1" else None
+
+
+def _fuse_mx_experts(gm: fx.GraphModule) -> int:
+    """expert_glu / expert_matmul over dequantised MXFP4 weights -> their MX forms, which dequantise in registers."""
+    count = 0
+    for node in list(gm.graph.nodes):
+        if _is(node, (K3.expert_glu.default,)):
+            x, wg, wu, kind, b1, b2 = node.args
+            g, u = _packed_e2m1(wg), _packed_e2m1(wu)
+            if g is None or u is None or g[2] != u[2]:
+                continue
+            target, args, dead = K3.mx_expert_glu.default, (x, g[0], g[1], u[0], u[1], g[2], kind, b1, b2), (wg, wu)
+        elif _is(node, (K3.expert_matmul.default,)):
+            x, w = node.args
+            packed = _packed_e2m1(w)
+            if packed is None:
+                continue
+            target, args, dead = K3.mx_expert_matmul.default, (x, *packed), (w,)
+        else:
+            continue
+        with gm.graph.inserting_before(node):
+            fused = gm.graph.call_function(target, args)
+        node.replace_all_uses_with(fused)
+        gm.graph.erase_node(node)
+        _erase_if_unused(gm, *dead)
+        count += 1
+    return count
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
+    expert_glu, expert_matmul = _fuse_experts(gm)
     stats = {
         "add_rms_norm": _fuse_add_rms_norm(gm),
         "rms_norm_gate": _fuse_rms_norm_gate(gm),
         "linear_glu": _fuse_linear_glu(gm),
         "router": _fuse_router(gm),
+        "expert_glu": expert_glu,
+        "expert_matmul": expert_matmul,
+        "mx_experts": _fuse_mx_experts(gm),
     }
     stats["nodes_rewritten"] = sum(stats.values())
     return stats
@@ -129,8 +231,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
 
 PASS = GraphPass(
     name="fuse",
-    summary="rewrite add+RMSNorm, RMSNorm*sigmoid gate, gate/up+GLU and router+top-k into fused ops",
+    summary="rewrite add+RMSNorm, RMSNorm*sigmoid gate, gate/up+GLU, router+top-k and expert GEMMs into fused ops",
     preserves_numerics=True,
-    statistics=("add_rms_norm", "rms_norm_gate", "linear_glu", "router", "nodes_rewritten"),
+    statistics=(
+        "add_rms_norm", "rms_norm_gate", "linear_glu", "router", "expert_glu", "expert_matmul", "mx_experts",
+        "nodes_rewritten",
+    ),
     run=run,
 )

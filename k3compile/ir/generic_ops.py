@@ -33,7 +33,7 @@ def _depth_mix_setup(ctx, inputs, output):
 
 
 def _depth_mix_backward(ctx, grad):
-    return [grad] * ctx.n, None
+    return ([grad] * ctx.n, None, None)[: len(ctx.needs_input_grad)]  # one per argument given
 
 
 depth_mix.register_autograd(_depth_mix_backward, setup_context=_depth_mix_setup)

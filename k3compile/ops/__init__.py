@@ -15,6 +15,7 @@ from k3compile.ops.balancing import (
     quantile_balance_update_hist,
     sign_balance_update,
 )
+from k3compile.ops.experts import expert_glu, expert_matmul, mx_expert_glu, mx_expert_matmul
 from k3compile.ops.fused import linear_glu
 from k3compile.ops.kda import kda, kda_decode_step, kda_gate
 from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope
@@ -28,6 +29,8 @@ __all__ = [
     "attach_aux_loss",
     "attn_res",
     "aux_balance_loss",
+    "expert_glu",
+    "expert_matmul",
     "expert_mlp",
     "gelu",
     "kda",
@@ -41,6 +44,8 @@ __all__ = [
     "moe_combine",
     "moe_dispatch",
     "mx_dequantize",
+    "mx_expert_glu",
+    "mx_expert_matmul",
     "mx_fake_quantize",
     "mx_linear",
     "mx_quantize",

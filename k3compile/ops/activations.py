@@ -24,18 +24,18 @@ def gelu_op(x: Tensor, approximate: str) -> Tensor:
     return ref.gelu_ref(x, approximate)
 
 
-def situ_glu(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0) -> Tensor:
+def situ_glu(gate: Tensor, up: Tensor, beta1: float = 4.0, beta2: float = 25.0, *, backend: str = "auto") -> Tensor:
     """[b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)]; K3 uses b1 = 4, b2 = 25."""
-    return torch.ops.k3.situ_glu.default(gate, up, beta1, beta2)
+    return torch.ops.k3.situ_glu.default(gate, up, beta1, beta2, backend=backend)
 
 
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+def swiglu(gate: Tensor, up: Tensor, *, backend: str = "auto") -> Tensor:
     """silu(gate) * up."""
-    return torch.ops.k3.swiglu.default(gate, up)
+    return torch.ops.k3.swiglu.default(gate, up, backend=backend)
 
 
-def gelu(x: Tensor, approximate: str = "none") -> Tensor:
+def gelu(x: Tensor, approximate: str = "none", *, backend: str = "auto") -> Tensor:
     """GELU, exact (erf) by default; approximate="tanh" selects the tanh form."""
     if approximate not in ("none", "tanh"):
         raise ValueError(f"gelu approximate must be 'none' or 'tanh', got {approximate!r}")
-    return torch.ops.k3.gelu.default(x, approximate)
+    return torch.ops.k3.gelu.default(x, approximate, backend=backend)

@@ -18,6 +18,8 @@ def attn_res_op(sources_SBTD: Tensor, query_D: Tensor, norm_weight_D: Tensor, ep
     return ref.attn_res_ref(sources_SBTD, query_D, norm_weight_D, eps)
 
 
-def attn_res(sources_SBTD: Tensor, query_D: Tensor, norm_weight_D: Tensor, eps: float = 1e-5) -> Tensor:
+def attn_res(
+    sources_SBTD: Tensor, query_D: Tensor, norm_weight_D: Tensor, eps: float = 1e-5, *, backend: str = "auto"
+) -> Tensor:
     """h [B, T, D] = sum_i softmax_i(query . RMSNorm(v_i)) v_i over sources stacked as [S, B, T, D]."""
-    return torch.ops.k3.attn_res.default(sources_SBTD, query_D, norm_weight_D, eps)
+    return torch.ops.k3.attn_res.default(sources_SBTD, query_D, norm_weight_D, eps, backend=backend)

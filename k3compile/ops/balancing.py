@@ -42,7 +42,7 @@ def moe_aux_loss_op(scores: Tensor, indices: Tensor) -> Tensor:
 
 
 def _aux_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:2])
 
 
 def _aux_backward(ctx, grad):
@@ -56,7 +56,7 @@ def _aux_backward(ctx, grad):
     f_E = torch.zeros(e, dtype=s.dtype, device=s.device).scatter_add(0, flat, ones) / flat.numel()
     total_T1 = s.sum(-1, keepdim=True)
     d = (f_E / total_T1 - (s @ f_E)[:, None] / total_T1.square()) * (e / t)
-    return (grad * d).to(scores.dtype), None
+    return (grad * d).to(scores.dtype), None, None
 
 
 moe_aux_loss_op.register_autograd(_aux_backward, setup_context=_aux_setup)
@@ -74,46 +74,49 @@ def _attach_setup(ctx, inputs, output):
 
 def _attach_backward(ctx, grad):
     (loss,) = ctx.saved_tensors
-    return grad, torch.full_like(loss, ctx.coef), None
+    return grad, torch.full_like(loss, ctx.coef), None, None
 
 
 attach_aux_loss_op.register_autograd(_attach_backward, setup_context=_attach_setup)
 
 
-def quantile_balance_update(scores: Tensor, bias: Tensor, k: int) -> Tensor:
+def quantile_balance_update(scores: Tensor, bias: Tensor, k: int, *, backend: str = "auto") -> Tensor:
     """Exact Quantile Balancing: next step's selection bias [E] (fp32) from this batch's scores [T, E]."""
-    return torch.ops.k3.quantile_balance_update.default(scores, bias, k)
+    return torch.ops.k3.quantile_balance_update.default(scores, bias, k, backend=backend)
 
 
-def qb_histogram(scores: Tensor, bias: Tensor, k: int, bins: int = 1000) -> Tensor:
+def qb_histogram(scores: Tensor, bias: Tensor, k: int, bins: int = 1000, *, backend: str = "auto") -> Tensor:
     """Per-expert int64 histogram [E, bins] of the QB margins: sum it over ranks, then `qb_update_from_histogram`."""
-    return torch.ops.k3.qb_histogram.default(scores, bias, k, bins)
+    return torch.ops.k3.qb_histogram.default(scores, bias, k, bins, backend=backend)
 
 
-def qb_update_from_histogram(counts: Tensor, bias: Tensor, k: int) -> Tensor:
+def qb_update_from_histogram(counts: Tensor, bias: Tensor, k: int, *, backend: str = "auto") -> Tensor:
     """Quantile Balancing read from a (summed) margin histogram; same bias as the one it was binned with."""
-    return torch.ops.k3.qb_update_from_histogram.default(counts, bias, k)
+    return torch.ops.k3.qb_update_from_histogram.default(counts, bias, k, backend=backend)
 
 
-def quantile_balance_update_hist(scores: Tensor, bias: Tensor, k: int, bins: int = 1000) -> Tensor:
+def quantile_balance_update_hist(
+    scores: Tensor, bias: Tensor, k: int, bins: int = 1000, *, backend: str = "auto"
+) -> Tensor:
     """Histogram Quantile Balancing on one rank (no all-reduce between the two halves)."""
-    return qb_update_from_histogram(qb_histogram(scores, bias, k, bins), bias, k)
+    counts = qb_histogram(scores, bias, k, bins, backend=backend)
+    return qb_update_from_histogram(counts, bias, k, backend=backend)
 
 
-def sign_balance_update(load: Tensor, bias: Tensor, rate: float = 1e-3) -> Tensor:
+def sign_balance_update(load: Tensor, bias: Tensor, rate: float = 1e-3, *, backend: str = "auto") -> Tensor:
     """DeepSeek-V3 update b_j + rate * sign(mean load - load_j), fp32."""
-    return torch.ops.k3.sign_balance_update.default(load, bias, rate)
+    return torch.ops.k3.sign_balance_update.default(load, bias, rate, backend=backend)
 
 
-def aux_balance_loss(scores: Tensor, indices: Tensor) -> Tensor:
+def aux_balance_loss(scores: Tensor, indices: Tensor, *, backend: str = "auto") -> Tensor:
     """Switch/DeepSeek auxiliary loss E * sum_j f_j P_j (1 when even); differentiable w.r.t. scores."""
-    return torch.ops.k3.moe_aux_loss.default(scores, indices)
+    return torch.ops.k3.moe_aux_loss.default(scores, indices, backend=backend)
 
 
-def attach_aux_loss(x: Tensor, loss: Tensor, coef: float) -> Tensor:
+def attach_aux_loss(x: Tensor, loss: Tensor, coef: float, *, backend: str = "auto") -> Tensor:
     """Return x unchanged, but make backward through it add coef * d(loss) to the gradients.
 
     Lets a module feed an auxiliary loss into training without returning it: attach it to any tensor
     on the path to the main loss (LatentMoE uses the routing weights).
     """
-    return torch.ops.k3.attach_aux_loss.default(x, loss, coef)
+    return torch.ops.k3.attach_aux_loss.default(x, loss, coef, backend=backend)

@@ -31,6 +31,8 @@ def linear_route_op(
     return ref.linear_route_ref(x, weight, bias, top_k, scoring, renormalize, routed_scale)
 
 
-def linear_glu(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float = 0.0, beta2: float = 0.0) -> Tensor:
+def linear_glu(
+    x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float = 0.0, beta2: float = 0.0, *, backend: str = "auto"
+) -> Tensor:
     """Gate and up projections with the gated activation applied, as one op."""
-    return torch.ops.k3.linear_glu.default(x, w_gate, w_up, kind, beta1, beta2)
+    return torch.ops.k3.linear_glu.default(x, w_gate, w_up, kind, beta1, beta2, backend=backend)

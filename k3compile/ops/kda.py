@@ -15,10 +15,17 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import kda as ref
-from k3compile.ops.registry import k3_op
+from k3compile.ops.registry import k3_op, resolve
 
 MODES = ("chunk", "recurrent")
 _DIFF = ("q", "k", "v", "g", "beta", "initial_state")
+
+
+def triton_saved_shapes(B: int, T: int, H: int, K: int, V: int, chunk_size: int) -> list[tuple[int, ...]]:
+    """Shapes of what the Triton chunk kernel saves for its backward (imports Triton only when asked)."""
+    from k3compile.kernels.kda_triton import chunk_saved_shapes
+
+    return chunk_saved_shapes(B, T, H, K, V, chunk_size)
 
 
 def _state_dtype(q: Tensor) -> torch.dtype:
@@ -31,15 +38,18 @@ def _kda_fake(q, k, v, g, beta, scale, initial_state, *rest):
     return v.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=_state_dtype(q))
 
 
-def _chunk_fake(q, k, v, g, beta, scale, initial_state, chunk_size):
+def _chunk_fake(q, k, v, g, beta, scale, initial_state, chunk_size, backend):
     B, T, H, K = q.shape
     V = v.shape[-1]
     dtype = _state_dtype(q)
-    saved = [q.new_empty(s, dtype=dtype) for s in ref.chunk_saved_shapes(B, T, H, K, V, chunk_size)]
+    args = (q, k, v, g, beta, scale, initial_state, chunk_size)
+    triton = resolve("kda_chunk", backend, args, fake=True) == "triton"
+    shapes = triton_saved_shapes if triton else ref.chunk_saved_shapes
+    saved = [q.new_empty(s, dtype=dtype) for s in shapes(B, T, H, K, V, chunk_size)]
     return [v.new_empty(B, T, H, V), q.new_empty(B, H, K, V, dtype=dtype), *saved]
 
 
-@k3_op("kda_chunk", fake=_chunk_fake)
+@k3_op("kda_chunk", fake=_chunk_fake, fake_takes_backend=True)
 def kda_chunk_op(
     q: Tensor,
     k: Tensor,
@@ -50,7 +60,11 @@ def kda_chunk_op(
     initial_state: Tensor | None,
     chunk_size: int,
 ) -> list[Tensor]:
-    """[o, final state, *ChunkSaved]: the saved tensors are outputs so that the backward reuses them."""
+    """[o, final state, *saved]: the saved tensors are outputs so that the backward reuses them.
+
+    The Triton kernel saves its own set (kernels.kda_triton.chunk_saved_shapes); the backward runs on the same
+    backend as the forward, so each reads what its own forward kept.
+    """
     o, S, saved = ref.kda_chunk_fwd(q, k, v, g, beta, scale, initial_state, chunk_size)
     return [o, S, *saved]
 
@@ -82,8 +96,8 @@ def kda_chunk_bwd_op(
 
 def _chunk_setup_context(ctx, inputs, output):
     """Keeps the forward's saved outputs, and the inputs for their shapes and dtypes."""
-    q, k, v, g, beta, scale, initial_state, _ = inputs
-    ctx.scale = scale
+    q, k, v, g, beta, scale, initial_state, _, backend = inputs
+    ctx.scale, ctx.backend = scale, backend
     ctx.mark_non_differentiable(*output[2:])
     ctx.save_for_backward(q, k, v, g, beta, initial_state, *output[2:])
 
@@ -91,9 +105,12 @@ def _chunk_setup_context(ctx, inputs, output):
 def _chunk_backward(ctx, grads):
     do, dstate = grads[:2]  # the saved tensors' grads are unused
     q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
-    grads = torch.ops.k3.kda_chunk_bwd.default(do, dstate, saved, q, k, v, g, beta, ctx.scale, initial_state)
+    grads = torch.ops.k3.kda_chunk_bwd.default(
+        do, dstate, saved, q, k, v, g, beta, ctx.scale, initial_state, backend=ctx.backend
+    )
     grads = [x if need else None for x, need in zip(grads, ctx.needs_input_grad[:5] + ctx.needs_input_grad[6:7])]
-    return *grads[:5], None, grads[5] if initial_state is not None else None, None
+    result = (*grads[:5], None, grads[5] if initial_state is not None else None, None, None)
+    return result[: len(ctx.needs_input_grad)]  # one per argument given: a default `backend` is not
 
 
 kda_chunk_op.register_autograd(_chunk_backward, setup_context=_chunk_setup_context)
@@ -146,6 +163,7 @@ def kda(
     output_final_state: bool = False,
     mode: str = "chunk",
     chunk_size: int = 64,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """Kimi Delta Attention over a sequence: (o [B,T,H,V], final state [B,H,K,V] or None).
 
@@ -153,23 +171,33 @@ def kda(
     two, T padded inside); mode "recurrent" steps token by token. Both agree to fp32 rounding.
     """
     if mode == "chunk":
-        out = torch.ops.k3.kda_chunk.default(q, k, v, g, beta, scale, initial_state, chunk_size)
+        out = torch.ops.k3.kda_chunk.default(q, k, v, g, beta, scale, initial_state, chunk_size, backend=backend)
         o, S = out[0], out[1]  # the rest is what the backward reuses
     elif mode == "recurrent":
-        o, S = torch.ops.k3.kda_recurrent.default(q, k, v, g, beta, scale, initial_state)
+        o, S = torch.ops.k3.kda_recurrent.default(q, k, v, g, beta, scale, initial_state, backend=backend)
     else:
         raise ValueError(f"unknown KDA mode {mode!r}; expected one of {MODES}")
     return o, (S if output_final_state else None)
 
 
 def kda_decode_step(
-    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, state: Tensor, scale: float | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    state: Tensor,
+    scale: float | None = None,
+    *,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor]:
     """One decoding token: q, k, g [B,H,K], v [B,H,V], beta [B,H], state [B,H,K,V] -> (o [B,H,V], new state)."""
-    return torch.ops.k3.kda_decode_step.default(q, k, v, g, beta, state, scale)
+    return torch.ops.k3.kda_decode_step.default(q, k, v, g, beta, state, scale, backend=backend)
 
 
-def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, form: str, lower_bound: float = -5.0) -> Tensor:
+def kda_gate(
+    f: Tensor, A_log: Tensor, dt_bias: Tensor, form: str, lower_bound: float = -5.0, *, backend: str = "auto"
+) -> Tensor:
     """Log decay g [B,T,H,K] fp32 from the gate projection f [B,T,H,K], A_log [H], dt_bias [H*K].
 
     form "lower_bounded_sigmoid" (K3): g = lower_bound * sigmoid(exp(A_log) * (f + dt_bias));
@@ -177,4 +205,4 @@ def kda_gate(f: Tensor, A_log: Tensor, dt_bias: Tensor, form: str, lower_bound: 
     """
     if form not in ref.DECAY_FORMS:
         raise ValueError(f"unknown KDA decay form {form!r}; expected one of {ref.DECAY_FORMS}")
-    return torch.ops.k3.kda_gate.default(f, A_log, dt_bias, form, lower_bound)
+    return torch.ops.k3.kda_gate.default(f, A_log, dt_bias, form, lower_bound, backend=backend)

@@ -36,16 +36,20 @@ def mla_rope_op(x: Tensor, start_pos: int, theta: float) -> Tensor:
     return ref.rope_ref(x, start_pos, theta)
 
 
-def mla_attention(q_BTHK: Tensor, k_nope_BSHN: Tensor, k_pe_BSR: Tensor, v_BSHV: Tensor, scale: float) -> Tensor:
+def mla_attention(
+    q_BTHK: Tensor, k_nope_BSHN: Tensor, k_pe_BSR: Tensor, v_BSHV: Tensor, scale: float, *, backend: str = "auto"
+) -> Tensor:
     """Causal MLA attention with expanded per-head keys/values; k_pe is shared by all heads."""
-    return torch.ops.k3.mla_attention.default(q_BTHK, k_nope_BSHN, k_pe_BSR, v_BSHV, scale)
+    return torch.ops.k3.mla_attention.default(q_BTHK, k_nope_BSHN, k_pe_BSR, v_BSHV, scale, backend=backend)
 
 
-def mla_decode_absorbed(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float) -> Tensor:
+def mla_decode_absorbed(
+    q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float, *, backend: str = "auto"
+) -> Tensor:
     """Causal MLA attention over the latent cache [c_kv, k_pe], kv_b_proj absorbed into q and o."""
-    return torch.ops.k3.mla_decode_absorbed.default(q_BTHK, latent_BSC, w_kvb, scale)
+    return torch.ops.k3.mla_decode_absorbed.default(q_BTHK, latent_BSC, w_kvb, scale, backend=backend)
 
 
-def mla_rope(x: Tensor, start_pos: int, theta: float) -> Tensor:
+def mla_rope(x: Tensor, start_pos: int, theta: float, *, backend: str = "auto") -> Tensor:
     """Half-split rotary embedding of x [B, T, ..., R] at positions start_pos .. start_pos + T - 1."""
-    return torch.ops.k3.mla_rope.default(x, start_pos, theta)
+    return torch.ops.k3.mla_rope.default(x, start_pos, theta, backend=backend)

@@ -66,6 +66,8 @@ def route(
     scoring: str = "sigmoid",
     renormalize: bool = True,
     routed_scale: float = 1.0,
+    *,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Router on logits [T, E]: (weights [T, K] fp32, indices [T, K] int64, scores [T, E] fp32).
 
@@ -74,11 +76,11 @@ def route(
     """
     if scoring not in ("sigmoid", "softmax"):
         raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
-    return torch.ops.k3.moe_route.default(logits, bias, top_k, scoring, renormalize, routed_scale)
+    return torch.ops.k3.moe_route.default(logits, bias, top_k, scoring, renormalize, routed_scale, backend=backend)
 
 
 def moe_dispatch(
-    x: Tensor, indices: Tensor, num_experts: int, capacity_factor: float | None = None
+    x: Tensor, indices: Tensor, num_experts: int, capacity_factor: float | None = None, *, backend: str = "auto"
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Tokens x [T, D] into expert buffers [E, C, D], C = ceil(capacity_factor * T * K / E) (<= T).
 
@@ -86,12 +88,12 @@ def moe_dispatch(
     `moe_combine`, load [E] int64 before dropping, dropped [] int64 choices over capacity).
     """
     cf = 0.0 if capacity_factor is None else float(capacity_factor)
-    return torch.ops.k3.moe_dispatch.default(x, indices, num_experts, cf)
+    return torch.ops.k3.moe_dispatch.default(x, indices, num_experts, cf, backend=backend)
 
 
-def moe_combine(expert_out: Tensor, weights: Tensor, slots: Tensor) -> Tensor:
+def moe_combine(expert_out: Tensor, weights: Tensor, slots: Tensor, *, backend: str = "auto") -> Tensor:
     """Expert outputs [E, C, D] back to tokens [T, D], weighted by the routing weights [T, K]."""
-    return torch.ops.k3.moe_combine.default(expert_out, weights, slots)
+    return torch.ops.k3.moe_combine.default(expert_out, weights, slots, backend=backend)
 
 
 def expert_mlp(

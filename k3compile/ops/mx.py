@@ -11,7 +11,8 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import mx as ref
-from k3compile.ops.registry import k3_op
+from k3compile.kernels import binding
+from k3compile.ops.registry import k3_op, resolve
 
 
 def _quantize_fake(x, fmt, block):
@@ -30,7 +31,7 @@ def _quantize_setup(ctx, inputs, output):
     ctx.mark_non_differentiable(*output)
 
 
-mx_quantize_op.register_autograd(lambda ctx, *grads: (None, None, None), setup_context=_quantize_setup)
+mx_quantize_op.register_autograd(lambda ctx, *grads: (None, None, None, None), setup_context=_quantize_setup)
 
 
 def _dequantize_fake(data, scale, fmt, block, dtype):
@@ -54,7 +55,7 @@ def mx_fake_quantize_op(x: Tensor, fmt: str, block: int) -> Tensor:
 
 def _straight_through(ctx, grad):
     # QAT straight-through estimator: the rounding is treated as the identity.
-    return grad, None, None
+    return grad, None, None, None
 
 
 mx_fake_quantize_op.register_autograd(_straight_through)
@@ -73,47 +74,56 @@ def mx_linear_op(
 
 
 def _linear_setup(ctx, inputs, output):
-    x, data, scale, fmt, block, _ = inputs
-    ctx.fmt, ctx.block, ctx.x_dtype = fmt, block, x.dtype
-    ctx.save_for_backward(data, scale)
+    x, data, scale, fmt, block, act_fmt, backend = inputs
+    ctx.fmt, ctx.block, ctx.act_fmt, ctx.backend = fmt, block, act_fmt, backend
+    ctx.save_for_backward(x, data, scale)
 
 
 def _linear_backward(ctx, grad_y):
     # dy/dx = dequant(W), with the activation fake-quant (if any) passed straight through.
-    data, scale = ctx.saved_tensors
-    acc = torch.float64 if ctx.x_dtype == torch.float64 else torch.float32
-    w = torch.ops.k3.mx_dequantize.default(data, scale, ctx.fmt, ctx.block, acc)
-    return (grad_y.to(acc) @ w).to(ctx.x_dtype), None, None, None, None, None
+    x, data, scale = ctx.saved_tensors
+    args = (x, data, scale, ctx.fmt, ctx.block, ctx.act_fmt)
+    if resolve("mx_linear", ctx.backend, args) == "triton":
+        grad_x = binding.triton_function("mx_linear", "_bwd")([grad_y], *args)[0]
+    else:
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        w = torch.ops.k3.mx_dequantize.default(data, scale, ctx.fmt, ctx.block, acc, backend=ctx.backend)
+        grad_x = (grad_y.to(acc) @ w).to(x.dtype)
+    return grad_x, None, None, None, None, None, None
 
 
 mx_linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
 
 
-def mx_quantize(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tensor]:
+def mx_quantize(x: Tensor, fmt: str, block: int = 32, *, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """MX-quantise x [..., n] along the last dim: (payload, E8M0 scale bytes [..., n/block]).
 
     Payload: packed uint8 [..., n/2] for "e2m1"; float8_e4m3fn / float8_e5m2 [..., n] for "e4m3" / "e5m2".
     """
-    return torch.ops.k3.mx_quantize.default(x, fmt, block)
+    return torch.ops.k3.mx_quantize.default(x, fmt, block, backend=backend)
 
 
 def mx_dequantize(
-    data: Tensor, scale: Tensor, fmt: str, block: int = 32, dtype: torch.dtype = torch.float32
+    data: Tensor, scale: Tensor, fmt: str, block: int = 32, dtype: torch.dtype = torch.float32,
+    *,
+    backend: str = "auto",
 ) -> Tensor:
     """Decode an MX payload and its E8M0 scales to [..., n] values in `dtype` (NaN for 0xFF blocks)."""
-    return torch.ops.k3.mx_dequantize.default(data, scale, fmt, block, dtype)
+    return torch.ops.k3.mx_dequantize.default(data, scale, fmt, block, dtype, backend=backend)
 
 
-def mx_fake_quantize(x: Tensor, fmt: str, block: int = 32) -> Tensor:
+def mx_fake_quantize(x: Tensor, fmt: str, block: int = 32, *, backend: str = "auto") -> Tensor:
     """MX quantise-dequantise in x's dtype with a straight-through (identity) gradient, for QAT."""
-    return torch.ops.k3.mx_fake_quantize.default(x, fmt, block)
+    return torch.ops.k3.mx_fake_quantize.default(x, fmt, block, backend=backend)
 
 
 def mx_linear(
-    x: Tensor, data: Tensor, scale: Tensor, fmt: str = "e2m1", block: int = 32, act_fmt: str | None = None
+    x: Tensor, data: Tensor, scale: Tensor, fmt: str = "e2m1", block: int = 32, act_fmt: str | None = None,
+    *,
+    backend: str = "auto",
 ) -> Tensor:
     """y = x @ dequant(W)^T for MX weights W [out, in] blocked along `in`; differentiable in x.
 
     `act_fmt` (e.g. "e4m3") fake-quantises x along its last dim first (straight-through in backward).
     """
-    return torch.ops.k3.mx_linear.default(x, data, scale, fmt, block, act_fmt)
+    return torch.ops.k3.mx_linear.default(x, data, scale, fmt, block, act_fmt, backend=backend)

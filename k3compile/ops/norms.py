@@ -38,7 +38,7 @@ def add_rms_norm_op(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> 
 
 
 def _add_rms_norm_setup(ctx, inputs, output):
-    ctx.eps = inputs[3]
+    ctx.eps, ctx.backend = inputs[3], inputs[4]
     ctx.save_for_backward(output[1], inputs[2])
 
 
@@ -46,29 +46,31 @@ def _add_rms_norm_backward(ctx, grad_normed, grad_sum):
     # Own backward: the generic recompute would return one gradient tensor for both x and residual,
     # which custom ops forbid (aliased outputs). It reuses rms_norm's backward op on the saved sum.
     s, weight = ctx.saved_tensors
-    grad_s, grad_w = torch.ops.k3.rms_norm_bwd.default([grad_normed], s, weight, ctx.eps)
+    grad_s, grad_w = torch.ops.k3.rms_norm_bwd.default([grad_normed], s, weight, ctx.eps, ctx.backend)
     grad_s = grad_s + grad_sum
-    return grad_s, grad_s, grad_w, None
+    return grad_s, grad_s, grad_w, None, None
 
 
 add_rms_norm_op.register_autograd(_add_rms_norm_backward, setup_context=_add_rms_norm_setup)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5) -> Tensor:
+def rms_norm(x: Tensor, weight: Tensor, eps: float = 1e-5, *, backend: str = "auto") -> Tensor:
     """RMSNorm over the last dim, fp32 statistics, output in x's dtype."""
-    return torch.ops.k3.rms_norm.default(x, weight, eps)
+    return torch.ops.k3.rms_norm.default(x, weight, eps, backend=backend)
 
 
-def l2_norm(x: Tensor, eps: float = 1e-6) -> Tensor:
+def l2_norm(x: Tensor, eps: float = 1e-6, *, backend: str = "auto") -> Tensor:
     """x / sqrt(sum(x^2) + eps) over the last dim."""
-    return torch.ops.k3.l2_norm.default(x, eps)
+    return torch.ops.k3.l2_norm.default(x, eps, backend=backend)
 
 
-def rms_norm_gate(x: Tensor, weight: Tensor, gate: Tensor, eps: float = 1e-5) -> Tensor:
+def rms_norm_gate(x: Tensor, weight: Tensor, gate: Tensor, eps: float = 1e-5, *, backend: str = "auto") -> Tensor:
     """RMSNorm(x) * sigmoid(gate) in one op."""
-    return torch.ops.k3.rms_norm_gate.default(x, weight, gate, eps)
+    return torch.ops.k3.rms_norm_gate.default(x, weight, gate, eps, backend=backend)
 
 
-def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-5) -> tuple[Tensor, Tensor]:
+def add_rms_norm(
+    x: Tensor, residual: Tensor, weight: Tensor, eps: float = 1e-5, *, backend: str = "auto"
+) -> tuple[Tensor, Tensor]:
     """(RMSNorm(x + residual), x + residual) in one op."""
-    return torch.ops.k3.add_rms_norm.default(x, residual, weight, eps)
+    return torch.ops.k3.add_rms_norm.default(x, residual, weight, eps, backend=backend)

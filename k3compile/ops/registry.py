@@ -1,9 +1,12 @@
-"""Registers k3 ops as torch.library custom ops: one schema, a fake impl, and a backward.
+"""Registers k3 ops as torch.library custom ops: one schema, a fake impl, a backward, and a backend choice.
 
 Every op in the `k3` namespace is an opaque node to torch.fx, torch.compile and
 export, runs on the meta device through its fake impl, and is differentiable
 through a generic backward op that recomputes the PyTorch reference under
-`torch.func.vjp`. Kernels (Triton, fused) plug in below the op, never beside it.
+`torch.func.vjp`. Kernels plug in below the op, never beside it: every op's schema
+ends in `str backend="auto"`, and its implementation runs the PyTorch reference or
+the Triton kernel that `k3compile.kernels.binding` names for it (see `resolve`).
+A Triton module's `<fn>_bwd`, when it has one, replaces the recompute in the backward.
 """
 
 from __future__ import annotations
@@ -14,7 +17,64 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from k3compile.kernels import binding
+from k3compile.kernels.launch import interpreting
+
 NAMESPACE = "k3"
+BACKENDS = ("auto", "torch", "triton")
+
+
+def _device_of(args) -> torch.device:
+    for a in args:
+        if isinstance(a, Tensor):
+            return a.device
+        if isinstance(a, (list, tuple)) and a and isinstance(a[0], Tensor):
+            return a[0].device
+    return torch.device("cpu")
+
+
+def _float64(args) -> bool:
+    return any(isinstance(a, Tensor) and a.dtype == torch.float64 for a in args)
+
+
+def resolve(name: str, backend: str, args: Sequence, *, fake: bool = False) -> str:
+    """"torch" or "triton": the implementation of k3::`name` for `backend` and these arguments.
+
+    "auto" takes the Triton kernel for CUDA tensors when one exists, the reference otherwise; "triton"
+    insists on the kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1); "torch" is the reference.
+    float64 always runs the reference (Triton kernels are fp32/bf16/fp16; float64 is for gradchecks).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"k3::{name}: backend must be one of {BACKENDS}, got {backend!r}")
+    has_kernel = name in binding.TRITON_KERNELS
+    if backend == "torch" or _float64(args):
+        return "torch"
+    device = _device_of(args)
+    if backend == "auto":
+        return "triton" if has_kernel and device.type == "cuda" else "torch"
+    if not has_kernel:
+        raise ValueError(f"k3::{name} has no Triton kernel (backend='triton'); use backend='torch' or 'auto'")
+    if not fake and device.type != "cuda" and not interpreting():
+        raise RuntimeError(
+            f"k3::{name}: backend='triton' on {device.type} tensors needs a CUDA GPU, or TRITON_INTERPRET=1 to run "
+            "the Triton kernel through the interpreter (or build with --target cpu)"
+        )
+    return "triton"
+
+
+def _split_backend(n_params: int, args: tuple, kwargs: dict) -> tuple[list, str]:
+    """(the op's own arguments, the backend): the dispatcher passes `backend` only when the caller did."""
+    args = list(args)
+    backend = kwargs.pop("backend", None)
+    if backend is None:
+        backend = args.pop() if len(args) > n_params else "auto"
+    return args, backend
+
+
+def _with_backend(schema: str) -> str:
+    head, _, ret = schema.rpartition(") ->")
+    sep = "" if head.endswith("(") else ", "
+    return f'{head}{sep}str backend="auto") ->{ret}'
 
 
 def _as_tuple(x):
@@ -35,17 +95,32 @@ def _as_declared(grads, like, inputs) -> list[Tensor]:
     return out
 
 
-def k3_op(name: str, *, fake: Callable, differentiable: Sequence[str] = ()) -> Callable:
-    """Decorator registering a typed PyTorch reference as `torch.ops.k3.<name>`.
+def k3_op(
+    name: str, *, fake: Callable, differentiable: Sequence[str] = (), fake_takes_backend: bool = False
+) -> Callable:
+    """Decorator registering a typed PyTorch reference as `torch.ops.k3.<name>`, with a trailing `backend` argument.
 
-    `fake` computes output metadata (shapes, dtypes) from the inputs alone.
-    `differentiable` names the tensor arguments that receive gradients; their
-    gradients come from a second op `k3::<name>_bwd` that recomputes `ref`.
+    `fake` computes output metadata (shapes, dtypes) from the inputs alone (and from the backend too when
+    `fake_takes_backend`: an op whose outputs depend on the kernel). `differentiable` names the tensor
+    arguments that receive gradients; their gradients come from a second op `k3::<name>_bwd`.
     """
 
     def decorate(ref: Callable):
-        op = torch.library.custom_op(f"{NAMESPACE}::{name}", ref, mutates_args=())
-        op.register_fake(fake)
+        n_params = len(inspect.signature(ref).parameters)
+
+        def impl(*args, **kwargs):
+            args, backend = _split_backend(n_params, args, kwargs)
+            if resolve(name, backend, args) == "triton":
+                return binding.triton_function(name)(*args)
+            return ref(*args)
+
+        def fake_impl(*args, **kwargs):
+            args, backend = _split_backend(n_params, args, kwargs)
+            return fake(*args, backend) if fake_takes_backend else fake(*args)
+
+        schema = _with_backend(torch.library.infer_schema(ref, mutates_args=()))
+        op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema)
+        op.register_fake(fake_impl)
         if differentiable:
             _register_backward(name, ref, op, list(differentiable))
         op.reference = ref
@@ -54,17 +129,30 @@ def k3_op(name: str, *, fake: Callable, differentiable: Sequence[str] = ()) -> C
     return decorate
 
 
+def _fill_missing(got: dict[int, Tensor], diff_idx: list[int]) -> list[Tensor]:
+    """One gradient per differentiable argument, an empty tensor for arguments that were None."""
+    return [got[i] if i in got else torch.empty(0) for i in diff_idx]
+
+
 def _register_backward(name: str, ref: Callable, op, differentiable: list[str]) -> None:
     params = list(inspect.signature(ref).parameters)
     unknown = [a for a in differentiable if a not in params]
     if unknown:
         raise ValueError(f"k3::{name}: differentiable args {unknown} are not parameters of the op")
     diff_idx = [params.index(a) for a in differentiable]
-    fwd_schema = torch.library.infer_schema(ref, mutates_args=())
+    fwd_schema = _with_backend(torch.library.infer_schema(ref, mutates_args=()))
     args_part = fwd_schema[fwd_schema.index("(") + 1 : fwd_schema.rindex(") ->")]
     bwd_schema = f"(Tensor[] grads, {args_part}) -> Tensor[]"
 
-    def bwd_impl(grads: list[Tensor], *args) -> list[Tensor]:
+    def bwd_impl(grads: list[Tensor], *args, **kwargs) -> list[Tensor]:
+        args, backend = _split_backend(len(params), args, kwargs)
+        kernel = binding.triton_function(name, "_bwd") if resolve(name, backend, args) == "triton" else None
+        if kernel is not None:
+            float_grads = [g for g in grads if g.is_floating_point()]
+            got = kernel(float_grads, *args)
+            present = [i for i, g in zip(diff_idx, got) if g is not None]
+            declared = _as_declared([g for g in got if g is not None], [args[i] for i in present], list(args) + grads)
+            return _fill_missing(dict(zip(present, declared)), diff_idx)
         present = [i for i in diff_idx if args[i] is not None]
         diff = tuple(args[i] for i in present)
 
@@ -81,9 +169,10 @@ def _register_backward(name: str, ref: Callable, op, differentiable: list[str]) 
             (g if g.shape == o.shape else torch.zeros_like(o)).to(o.dtype) for g, o in zip(float_grads, outs)
         )
         got = dict(zip(present, _as_declared(vjp(cotangents), diff, list(args) + list(grads))))
-        return [got[i] if i in got else torch.empty(0) for i in diff_idx]
+        return _fill_missing(got, diff_idx)
 
-    def bwd_fake(grads: list[Tensor], *args) -> list[Tensor]:
+    def bwd_fake(grads: list[Tensor], *args, **kwargs) -> list[Tensor]:
+        args, _ = _split_backend(len(params), args, kwargs)
         return [torch.empty_like(args[i]) if args[i] is not None else args[0].new_empty(0) for i in diff_idx]
 
     bwd = torch.library.custom_op(f"{NAMESPACE}::{name}_bwd", bwd_impl, mutates_args=(), schema=bwd_schema)
@@ -111,6 +200,7 @@ def _register_backward(name: str, ref: Callable, op, differentiable: list[str]) 
         for i, g in zip(diff_idx, got):
             if args[i] is not None and ctx.needs_input_grad[i]:
                 result[i] = g
-        return tuple(result)
+        # One gradient per argument given: ops taking tensor lists do not count a defaulted `backend`.
+        return tuple(result[: len(ctx.needs_input_grad)])
 
     op.register_autograd(backward, setup_context=setup_context)

@@ -21,11 +21,13 @@ def short_conv_op(x: Tensor, weight: Tensor, initial_state: Tensor | None) -> tu
 
 
 def short_conv(
-    x_BTC: Tensor, weight_CW: Tensor, initial_state: Tensor | None = None, output_final_state: bool = False
+    x_BTC: Tensor, weight_CW: Tensor, initial_state: Tensor | None = None, output_final_state: bool = False,
+    *,
+    backend: str = "auto",
 ) -> tuple[Tensor, Tensor | None]:
     """y = SiLU(causal depthwise conv(x)) (the SiLU is included); state = the last W-1 inputs [B, C, W-1].
 
     Feeding the returned state back as `initial_state` continues the sequence exactly (decoding).
     """
-    y, state = torch.ops.k3.short_conv.default(x_BTC, weight_CW, initial_state)
+    y, state = torch.ops.k3.short_conv.default(x_BTC, weight_CW, initial_state, backend=backend)
     return y, (state if output_final_state else None)

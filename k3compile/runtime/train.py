@@ -96,18 +96,21 @@ def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
     from k3compile.loader import load
 
     dest = build_dir / package_name(spec)
+    # Without a GPU, bind the PyTorch references whatever the spec's target (its Triton kernels need CUDA).
+    target = spec.target if torch.cuda.is_available() else "cpu"
     if is_build_dir(dest):
         try:
             manifest = json.loads((dest / "manifest.json").read_text())
             built = Spec.model_validate(manifest["spec"]["fields"])
-            if manifest["compiler"] == f"k3compile {__version__}" and _same_architecture(built, spec):
+            same = manifest["compiler"] == f"k3compile {__version__}" and manifest["target"] == target
+            if same and _same_architecture(built, spec):
                 say(f"reusing the build in {dest}")
                 return load(dest)
         except (OSError, ValueError, KeyError):
             pass
     say(f"building {spec.name} (train mode) into {build_dir}")
     try:
-        dest, _ = build(spec, build_dir, BuildOptions(mode="train"))
+        dest, _ = build(spec, build_dir, BuildOptions(mode="train", target=target))
     except ValueError as e:
         raise TrainError(f"cannot build {spec.name}: {e}") from None
     return load(dest)

@@ -44,6 +44,7 @@ def test_every_op_node_is_bound_on_cpu(tiny_build, record, mode):
             assert kernel is None, n.name
         elif is_k3(n):
             assert kernel == {"op": n.target._schema.name, "impl": "torch", "reason": "PyTorch reference on CPU"}
+            assert n.kwargs["backend"] == "torch"
         else:
             assert kernel["impl"] == "native" and kernel["op"].startswith("torch.") and kernel["reason"], n.name
     stats = record(mode, "bind_kernels").statistics
@@ -60,24 +61,28 @@ def test_h200_records_the_reason_for_each_fallback(rebound):
         seen.add(op)
         if op in binding.TRITON_KERNELS:
             assert kernel["impl"] == f"triton:{binding.TRITON_KERNELS[op]}" and isinstance(kernel["config"], dict)
+            assert kernel["reason"] and n.kwargs["backend"] == "triton"
         else:
-            assert kernel == {"op": f"k3::{op}", "impl": "torch", "reason": f"no Triton kernel for k3::{op} yet"}
-    assert {"mx_dequantize", "attn_res", "kda_chunk", "moe_dispatch"} <= seen
+            assert kernel == {"op": f"k3::{op}", "impl": "torch", "reason": f"no Triton kernel for k3::{op}"}
+            assert n.kwargs["backend"] == "torch"
+    assert {"mx_expert_glu", "attn_res", "kda_chunk", "moe_dispatch"} <= seen
     assert stats["k3_ops"] == len(k3) == stats["triton"] + stats["reference"]
+    assert stats["triton"] > stats["reference"]
 
 
-def test_h200_binds_a_registered_triton_kernel(tiny_spec, tiny_build, monkeypatch):
-    monkeypatch.setitem(binding.TRITON_KERNELS, "rms_norm", "rms_norm_fwd")
+def test_h200_binding_records_the_tuned_configs(tiny_spec, tiny_build, monkeypatch):
+    tuned = {"norms_triton": {"rms_norm": [{"max": {"N": 256}, "config": {"BLOCK_M": 2, "num_warps": 8}}]}}
+    monkeypatch.setattr(binding, "module_configs", lambda target: tuned if target == "h200" else {})
     gm = copy.deepcopy(tiny_build["train"].gm)
     stats = bind_kernels.run(gm, PassContext(tiny_spec, "train", "h200"))
     norms = [n for n in gm.graph.nodes if n.target is torch.ops.k3.rms_norm.default]
-    assert norms and stats["triton"] == len(norms)
+    assert norms and stats["triton"] >= len(norms)
     for n in norms:
         kernel = n.meta["kernel"]
-        assert kernel["impl"] == "triton:rms_norm_fwd" and kernel["reason"] == ""
-        assert kernel["config"] == binding.launch_configs("h200").get("rms_norm_fwd", {})
+        assert kernel["impl"] == "triton:norms_triton.rms_norm" and kernel["reason"] == "tuned for h200"
+        assert kernel["config"] == tuned["norms_triton"] and n.kwargs["backend"] == "triton"
     cpu = bind_kernels.run(gm, PassContext(tiny_spec, "train", "cpu"))  # cpu always binds the references
-    assert cpu["triton"] == 0 and norms[0].meta["kernel"]["impl"] == "torch"
+    assert cpu["triton"] == 0 and norms[0].meta["kernel"]["impl"] == "torch" and norms[0].kwargs["backend"] == "torch"
 
 
 def test_unknown_target_is_rejected(tiny_spec, tiny_build):

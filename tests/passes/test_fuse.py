@@ -76,16 +76,15 @@ def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, rec
         for n in fused:
             assert n.args[2].target == n.args[1].target.replace("gate_proj", "up_proj")
             assert n.args[3:] == ("situ_glu", 4.0, 25.0)
-        # The routed experts run batched matmuls on stacked weights: their activation stays unfused.
-        assert count(gm, K3.situ_glu.default) == n_moe
+        # The routed experts' activation goes into their grouped GEMM instead (test_routed_experts_...).
+        assert count(gm, K3.situ_glu.default) == 0
 
 
 def test_attn_res_leaves_no_residual_add_to_fuse(record):
     for mode in ("train", "infer"):
         stats = record(mode, "fuse").statistics
-        assert stats["add_rms_norm"] == 0 and stats["nodes_rewritten"] == sum(
-            stats[k] for k in ("add_rms_norm", "rms_norm_gate", "linear_glu", "router")
-        )
+        kinds = ("add_rms_norm", "rms_norm_gate", "linear_glu", "router", "expert_glu", "expert_matmul", "mx_experts")
+        assert stats["add_rms_norm"] == 0 and stats["nodes_rewritten"] == sum(stats[k] for k in kinds)
 
 
 def test_router_logits_scoring_bias_and_top_k_become_one_op(tiny_spec, tiny_build, record):
@@ -99,6 +98,31 @@ def test_router_logits_scoring_bias_and_top_k_become_one_op(tiny_spec, tiny_buil
             assert n.args[1].args[0].target.endswith(".moe.router.weight")
             assert n.args[2].target.endswith(".moe.router.bias")
             assert n.args[3:5] == (tiny_spec.moe.top_k, tiny_spec.moe.router.scoring)
+
+
+def test_routed_experts_become_grouped_gemms(tiny_spec, tiny_build, record):
+    """Training: expert_glu + expert_matmul on the fake-quantised stacked weights; inference: their MXFP4
+    forms reading the packed buffers (the dequantisation moves into the kernel)."""
+    n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
+    train = tiny_build["train"].gm
+    glu = [n for n in train.graph.nodes if n.target is K3.expert_glu.default]
+    down = [n for n in train.graph.nodes if n.target is K3.expert_matmul.default]
+    assert len(glu) == len(down) == n_moe
+    for g in glu:
+        assert g.args[0].target is K3.mx_fake_quantize.default and g.args[3:] == ("situ_glu", 4.0, 25.0)
+        for w, proj in zip(g.args[1:3], ("gate_proj", "up_proj")):
+            assert w.target is K3.mx_fake_quantize.default and w.args[0].target.endswith(f"experts.{proj}.weight")
+    assert not any(n.target is torch.matmul for n in train.graph.nodes)
+    stats = record("train", "fuse").statistics
+    assert stats["expert_glu"] == stats["expert_matmul"] == n_moe and stats["mx_experts"] == 0
+    infer = tiny_build["infer"].gm
+    mx_glu = [n for n in infer.graph.nodes if n.target is K3.mx_expert_glu.default]
+    mx_down = [n for n in infer.graph.nodes if n.target is K3.mx_expert_matmul.default]
+    assert len(mx_glu) == len(mx_down) == n_moe and record("infer", "fuse").statistics["mx_experts"] == 2 * n_moe
+    for g in mx_glu:
+        assert [a.target.rsplit(".", 1)[-1] for a in g.args[1:5]] == ["weight_mx", "weight_scale"] * 2
+        assert g.args[5:] == (32, "situ_glu", 4.0, 25.0)
+    assert count(infer, K3.mx_dequantize.default) == count(infer, K3.expert_glu.default) == 0
 
 
 def test_numerics_checked_in_the_build(record):
@@ -120,6 +144,7 @@ def test_swiglu_kind(load):
     fused = [n for n in r["gm"].graph.nodes if n.target is K3.linear_glu.default]
     assert len(fused) == 8 and all(n.args[3] == "swiglu" for n in fused)
     assert r["glus"] == 8 + 7  # before: 8 fusable + 7 routed-expert activations
+    assert r["record"].statistics["expert_glu"] == 7 and count(r["gm"], K3.swiglu.default) == 0
     assert torch.equal(r["after"], r["before"])
 
 

@@ -1,0 +1,93 @@
+"""k3 grouped expert ops: the gate/up GEMMs with the GLU fused, and the down GEMM, over fixed-capacity buffers.
+
+Buffers are [..., C, w] with stacked weights [..., out, in] (leading dims: experts, or ranks x experts after
+shard_experts). The fuse pass rewrites the experts' matmuls into these ops, and into their MXFP4 forms when
+pack_mxfp4 left the weights packed, so GPU targets run one grouped Triton GEMM per projection.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels import experts as ref
+from k3compile.ops.registry import k3_op
+
+
+def _out(x: Tensor, rows: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], rows))
+
+
+@k3_op(
+    "expert_glu",
+    fake=lambda x, w_gate, w_up, kind, beta1, beta2: _out(x, w_gate.shape[-2]),
+    differentiable=("x", "w_gate", "w_up"),
+)
+def expert_glu_op(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
+    return ref.expert_glu_ref(x, w_gate, w_up, kind, beta1, beta2)
+
+
+@k3_op("expert_matmul", fake=lambda x, w: _out(x, w.shape[-2]), differentiable=("x", "w"))
+def expert_matmul_op(x: Tensor, w: Tensor) -> Tensor:
+    return ref.expert_matmul_ref(x, w)
+
+
+@k3_op(
+    "mx_expert_glu",
+    fake=lambda x, gate_data, gate_scale, up_data, up_scale, block, kind, beta1, beta2: _out(x, gate_data.shape[-2]),
+)
+def mx_expert_glu_op(
+    x: Tensor,
+    gate_data: Tensor,
+    gate_scale: Tensor,
+    up_data: Tensor,
+    up_scale: Tensor,
+    block: int,
+    kind: str,
+    beta1: float,
+    beta2: float,
+) -> Tensor:
+    return ref.mx_expert_glu_ref(x, gate_data, gate_scale, up_data, up_scale, block, kind, beta1, beta2)
+
+
+@k3_op("mx_expert_matmul", fake=lambda x, data, scale, block: _out(x, data.shape[-2]))
+def mx_expert_matmul_op(x: Tensor, data: Tensor, scale: Tensor, block: int) -> Tensor:
+    return ref.mx_expert_matmul_ref(x, data, scale, block)
+
+
+def expert_glu(
+    x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float = 4.0, beta2: float = 25.0, *, backend: str = "auto"
+) -> Tensor:
+    """act(x W_gate^T, x W_up^T) per expert: x [..., C, w], weights [..., I, w] -> [..., C, I]."""
+    ref.check_glu_kind(kind)
+    return torch.ops.k3.expert_glu.default(x, w_gate, w_up, kind, beta1, beta2, backend=backend)
+
+
+def expert_matmul(x: Tensor, w: Tensor, *, backend: str = "auto") -> Tensor:
+    """x W^T per expert: x [..., C, I], w [..., w, I] -> [..., C, w]."""
+    return torch.ops.k3.expert_matmul.default(x, w, backend=backend)
+
+
+def mx_expert_glu(
+    x: Tensor,
+    gate_data: Tensor,
+    gate_scale: Tensor,
+    up_data: Tensor,
+    up_scale: Tensor,
+    block: int = 32,
+    kind: str = "situ_glu",
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    """`expert_glu` with MXFP4 gate/up weights (packed e2m1 [..., I, w/2] + E8M0 scales [..., I, w/block])."""
+    ref.check_glu_kind(kind)
+    return torch.ops.k3.mx_expert_glu.default(
+        x, gate_data, gate_scale, up_data, up_scale, block, kind, beta1, beta2, backend=backend
+    )
+
+
+def mx_expert_matmul(x: Tensor, data: Tensor, scale: Tensor, block: int = 32, *, backend: str = "auto") -> Tensor:
+    """`expert_matmul` with an MXFP4 weight (packed e2m1 [..., w, I/2] + E8M0 scales [..., w, I/block])."""
+    return torch.ops.k3.mx_expert_matmul.default(x, data, scale, block, backend=backend)

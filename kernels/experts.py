@@ -1,0 +1,72 @@
+"""PyTorch references for the grouped expert GEMMs on fixed-capacity buffers [E, C, ...].
+
+Every expert e runs its own matmuls on its C buffer rows (zero rows where unused): the gated
+projection act(x W_gate^T, x W_up^T) [E, C, I] and the plain projection x W^T. Weights come as
+stacked tensors (gate/up [E, I, w], down [E, w, I]) or as MXFP4 (e2m1) payloads [E, out, in/2] with
+E8M0 scales [E, out, in/block]. All accumulate in at least fp32 and return x's dtype; these are the
+oracles of the fused Triton kernels in moe_triton.py.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels.activations import situ_glu_ref, swiglu_ref
+from k3compile.kernels.mx import mx_dequantize_fast
+from k3compile.kernels.norms import upcast
+
+GLU_KINDS = ("situ_glu", "swiglu")
+
+
+def check_glu_kind(kind: str) -> None:
+    """ValueError unless `kind` names a gated activation the expert GLU supports."""
+    if kind not in GLU_KINDS:
+        raise ValueError(f"expert GLU kind must be one of {GLU_KINDS}, got {kind!r}")
+
+
+def _acc_dtype(x: Tensor) -> torch.dtype:
+    return torch.promote_types(x.dtype, torch.float32)
+
+
+def expert_glu_ref(
+    x_ECw: Tensor, w_gate_EIw: Tensor, w_up_EIw: Tensor, kind: str, beta1: float, beta2: float
+) -> Tensor:
+    """act(x W_gate^T, x W_up^T) per expert -> [E, C, I], as the unfused composition computed in fp32.
+
+    kind "situ_glu" uses beta1/beta2; "swiglu" (silu(gate) * up) ignores them.
+    """
+    check_glu_kind(kind)
+    x = upcast(x_ECw)
+    gate = x @ upcast(w_gate_EIw).transpose(-1, -2)
+    up = x @ upcast(w_up_EIw).transpose(-1, -2)
+    hidden = situ_glu_ref(gate, up, beta1, beta2) if kind == "situ_glu" else swiglu_ref(gate, up)
+    return hidden.to(x_ECw.dtype)
+
+
+def expert_matmul_ref(x_ECI: Tensor, w_EwI: Tensor) -> Tensor:
+    """x @ w^T per expert: [E, C, I] x [E, w, I] -> [E, C, w], fp32 accumulation."""
+    return (upcast(x_ECI) @ upcast(w_EwI).transpose(-1, -2)).to(x_ECI.dtype)
+
+
+def mx_expert_glu_ref(
+    x_ECw: Tensor,
+    gate_data: Tensor,
+    gate_scale: Tensor,
+    up_data: Tensor,
+    up_scale: Tensor,
+    block: int,
+    kind: str,
+    beta1: float,
+    beta2: float,
+) -> Tensor:
+    """`expert_glu_ref` with MXFP4 gate/up weights ([E, I, w/2] uint8 + [E, I, w/block] E8M0), dequantised first."""
+    acc = _acc_dtype(x_ECw)
+    w_gate = mx_dequantize_fast(gate_data, gate_scale, "e2m1", block, acc)
+    w_up = mx_dequantize_fast(up_data, up_scale, "e2m1", block, acc)
+    return expert_glu_ref(x_ECw, w_gate, w_up, kind, beta1, beta2)
+
+
+def mx_expert_matmul_ref(x_ECI: Tensor, data: Tensor, scale: Tensor, block: int) -> Tensor:
+    """`expert_matmul_ref` with an MXFP4 weight ([E, w, I/2] uint8 + [E, w, I/block] E8M0), dequantised first."""
+    return expert_matmul_ref(x_ECI, mx_dequantize_fast(data, scale, "e2m1", block, _acc_dtype(x_ECI)))

@@ -1,0 +1,41 @@
+"""bench/gpu.py and bench/tune_gpu.py run end to end on CPU with --dry-run (Triton interpreter, tiny shapes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+def run(script: str, *args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "COLUMNS": "250"}
+    return subprocess.run(
+        [sys.executable, str(BENCH / script), *args], capture_output=True, text=True, env=env, timeout=540
+    )
+
+
+def test_gpu_bench_dry_run_checks_every_kernel_and_prints_the_table(tmp_path):
+    md = tmp_path / "table.md"
+    done = run("gpu.py", "--dry-run", "--markdown", str(md))
+    assert done.returncode == 0, done.stderr[-3000:]
+    for column in ("kernel", "max err", "triton ms", "TFLOP/s", "GB/s", "% roofline", "x eager", "x compile"):
+        assert column in done.stdout, column
+    rows = [line for line in md.read_text().splitlines() if line.startswith("| ") and "max err" not in line]
+    names = " ".join(line.split("|")[1] for line in rows)
+    for kernel in ("kda", "mx_linear", "expert_glu", "rms_norm", "attn_res", "route", "mla_decode", "short_conv"):
+        assert kernel in names, kernel
+    assert all("| yes |" in line for line in rows), rows
+
+
+def test_tuner_dry_run_writes_a_config_file_the_kernels_read(tmp_path):
+    done = run("tune_gpu.py", "--dry-run", "--only", "rms_norm 8x100", "--out", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    table = json.loads((tmp_path / "cpu.json").read_text())
+    assert set(table) <= {"norms_triton"}
+    for kernels in table.values():
+        for buckets in kernels.values():
+            assert buckets and all(set(b) == {"max", "config"} and b["config"] for b in buckets)
