@@ -93,9 +93,9 @@ def _block_tile(pid, N_BLOCKS, BLOCK: tl.constexpr, BLOCKS: tl.constexpr, BP2: t
 
 
 @triton.jit
-def _mx_quantize_kernel(x_ptr, data_ptr, scale_ptr, N_BLOCKS, BLOCK: tl.constexpr, E2M1: tl.constexpr, MBITS: tl.constexpr,
-                        EMIN: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr, BLOCKS: tl.constexpr,
-                        BP2: tl.constexpr):
+def _mx_quantize_kernel(x_ptr, data_ptr, scale_ptr, N_BLOCKS, BLOCK: tl.constexpr, E2M1: tl.constexpr,
+                        MBITS: tl.constexpr, EMIN: tl.constexpr, EMAX: tl.constexpr, MAXV: tl.constexpr,
+                        BLOCKS: tl.constexpr, BP2: tl.constexpr):
     """Payload (e2m1 codes packed in pairs, or fp8 bytes) and E8M0 bytes of BLOCKS blocks."""
     pid = tl.program_id(0)
     rows, cols, mask = _block_tile(pid, N_BLOCKS, BLOCK, BLOCKS, BP2, BP2)
@@ -122,8 +122,8 @@ def _mx_fake_quantize_kernel(x_ptr, out_ptr, N_BLOCKS, BLOCK: tl.constexpr, MBIT
 
 
 @triton.jit
-def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, N_BLOCKS, BLOCK: tl.constexpr, E2M1: tl.constexpr, BLOCKS: tl.constexpr,
-                          BP2: tl.constexpr):
+def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, N_BLOCKS, BLOCK: tl.constexpr, E2M1: tl.constexpr,
+                          BLOCKS: tl.constexpr, BP2: tl.constexpr):
     """Values of BLOCKS blocks: payload decoded in registers times 2^(scale - 127), in the output's dtype."""
     pid = tl.program_id(0)
     rows, cols, mask = _block_tile(pid, N_BLOCKS, BLOCK, BLOCKS, BP2, BP2)
@@ -258,9 +258,10 @@ def _mx_linear_kernel(x_ptr, data_ptr, scale_ptr, y_ptr, M, N, K, E2M1: tl.const
             sc = k // 32 + tl.arange(0, BLOCK_K // 32)[None, :]
             w_scale = tl.load(scale_ptr + n64 * (K // 32) + sc, mask=(n < N) & _below(sc, K // 32, EVEN_K), other=0)
             kw = (k // (1 + E2M1) + tl.arange(0, BLOCK_K // (1 + E2M1)))[:, None]
-            w_bytes = data_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)  # dot_scaled takes fp8 as its bits
+            # rhs [K, N] (e2m1 packed along K); dot_scaled takes fp8 as its bits
+            w_bytes = data_ptr.to(tl.pointer_type(tl.uint8), bitcast=True)
             w = tl.load(w_bytes + tl.trans(n64) * (K // (1 + E2M1)) + kw,
-                        mask=(tl.trans(n) < N) & _below(kw, K // (1 + E2M1), EVEN_K), other=0)  # rhs [K, N], e2m1 packed on K
+                        mask=(tl.trans(n) < N) & _below(kw, K // (1 + E2M1), EVEN_K), other=0)
             if ACT:
                 xf = to_fp32(xa)
                 byte = mx_scale_tile(xf, EMAX, 32)
@@ -317,18 +318,18 @@ def _native_dot_scaled(device: torch.device) -> bool:
 
 
 def _linear_operands(x: Tensor, data: Tensor, scale: Tensor, fmt: str, block: int, act_fmt: str | None):
-    """Checked (x as [M, K], payload (fp8 viewed as its dtype), scale, N, K) for the linear kernels."""
+    """Checked (payload (fp8 viewed as its dtype), scale, N, K) for the linear kernels."""
     _check_dtype(x)
     n_out, k_in = mx_dequant_meta(data.shape, scale.shape, fmt, block)
     if data.dim() != 2 or x.shape[-1] != k_in:
-        raise ValueError(f"mx_linear needs W [out, in] with in = x.shape[-1]; got x {tuple(x.shape)}, W [{n_out}, {k_in}]")
+        raise ValueError(f"mx_linear needs W [out, in], in = x's last dim; got x {tuple(x.shape)}, W {n_out}x{k_in}")
     if block & (block - 1):
         raise ValueError(f"the Triton mx_linear needs a power-of-two block, got {block}")
     if act_fmt is not None:
         check_mx_shape(k_in, act_fmt, block)
     if fmt != "e2m1" and data.dtype == torch.uint8:
         data = data.view(_FP8_DTYPES[fmt])
-    return x.reshape(-1, k_in).contiguous(), data.contiguous(), scale.contiguous(), n_out, k_in
+    return data.contiguous(), scale.contiguous(), n_out, k_in
 
 
 def mx_linear(
@@ -339,7 +340,8 @@ def mx_linear(
     act_fmt fake-quantises x's blocks in registers first. DOT_SCALED in the launch config picks tl.dot_scaled
     (default on compute capability >= 10; only for block 32) over dequantise + tl.dot.
     """
-    x2, data, scale, n_out, k_in = _linear_operands(x, data, scale, fmt, block, act_fmt)
+    data, scale, n_out, k_in = _linear_operands(x, data, scale, fmt, block, act_fmt)
+    x2 = x.reshape(-1, k_in).contiguous()
     m_rows = x2.shape[0]
     y = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
     bf16_operands = x.dtype == torch.bfloat16 or act_fmt is not None  # x exact in bf16
@@ -368,7 +370,7 @@ def mx_linear_bwd(
     act_fmt: str | None = None,
 ) -> list[Tensor | None]:
     """[dx] of `mx_linear`: dx = grad_y @ dequant(W) in x's dtype (straight-through for the activation quant)."""
-    _, data, scale, n_out, k_in = _linear_operands(x, data, scale, fmt, block, act_fmt)
+    data, scale, n_out, k_in = _linear_operands(x, data, scale, fmt, block, act_fmt)
     g = grads[0].reshape(-1, n_out).contiguous()
     m_rows = g.shape[0]
     dx = torch.empty((m_rows, k_in), dtype=x.dtype, device=x.device)

@@ -1,8 +1,13 @@
 """`k3compile build specs/k3-tiny.yaml --target h200` binds Triton kernels, and they compute what the CPU build does.
 
-The h200 package's k3 nodes carry backend="triton" wherever a kernel exists; run on CPU under the Triton
+The h200 package's k3 nodes carry backend="triton" wherever a kernel exists. Run on CPU under the Triton
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), its training loss and gradients for
-one forward+backward step, and its inference logits, must match the CPU build's (PyTorch references) to 1e-4.
+one forward+backward step, and its inference logits, must match the CPU build's (the PyTorch references).
+
+One caveat is measured, not assumed. With QAT on (the shipped spec), activations pass through MXFP8
+rounding, a step function: a 1e-7 difference upstream can move an element across a rounding boundary,
+which changes it by a whole e4m3 step. The loss barely moves (1e-4 holds), but the gradients of the
+last layers' experts differ at about 1e-3. With QAT off the same comparison holds every gradient to 1e-4.
 """
 
 from __future__ import annotations
@@ -23,14 +28,45 @@ def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).double().pow(2).mean() / b.double().pow(2).mean().clamp_min(1e-30)).sqrt().item()
 
 
-@pytest.fixture(scope="module")
-def packages(tmp_path_factory, tiny_spec):
-    """{target: loaded package} for the CPU and H200 builds of k3-tiny."""
+def build_both(spec, tmp_path_factory, mode: str = "both") -> dict:
+    """{target: (path, loaded package)} for the CPU and H200 builds of `spec`."""
     out = {}
     for target in ("cpu", "h200"):
-        path, _ = build(tiny_spec, tmp_path_factory.mktemp(target), BuildOptions(target=target))
+        path, _ = build(spec, tmp_path_factory.mktemp(target), BuildOptions(target=target, mode=mode))
         out[target] = (path, k3compile.load(path))
     return out
+
+
+@pytest.fixture(scope="module")
+def packages(tmp_path_factory, tiny_spec):
+    return build_both(tiny_spec, tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def packages_no_qat(tmp_path_factory, tiny_path):
+    from k3compile.spec.load import load_spec
+
+    return build_both(load_spec(tiny_path, overrides=["quantization.qat=false"]), tmp_path_factory, "train")
+
+
+def training_step(packages) -> dict:
+    """{target: (loss, {parameter: gradient})} of one forward+backward step on the same tokens and weights."""
+    tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for target, (_, package) in packages.items():
+        model = package.Model()  # seeded per-name init: both builds start from the same weights
+        loss = model(tokens, tokens)
+        loss.backward()
+        results[target] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return results
+
+
+def compare(results) -> tuple[float, dict[str, float]]:
+    """(relative loss difference, {parameter: gradient relative RMS difference}) between the two builds."""
+    (loss_cpu, g_cpu), (loss_h200, g_h200) = results["cpu"], results["h200"]
+    assert g_cpu.keys() == g_h200.keys() and len(g_cpu) > 50
+    errors = {n: rel_rms(g_h200[n], g_cpu[n]) for n in g_cpu}
+    return abs(loss_h200.item() - loss_cpu.item()) / abs(loss_cpu.item()), errors
 
 
 def bound_ops(path) -> dict[str, dict[str, str]]:
@@ -57,21 +93,19 @@ def test_h200_binds_every_op_that_has_a_kernel(packages):
 
 
 def test_h200_training_step_matches_the_cpu_build(packages):
-    tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for target, (_, package) in packages.items():
-        model = package.Model()  # seeded per-name init: both builds start from the same weights
-        loss = model(tokens, tokens)
-        loss.backward()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[target] = loss.detach(), grads
-    (loss_cpu, g_cpu), (loss_h200, g_h200) = results["cpu"], results["h200"]
-    print(f"loss cpu {loss_cpu.item():.6f} h200-on-interpreter {loss_h200.item():.6f}")
-    assert abs(loss_h200.item() - loss_cpu.item()) <= 1e-4 * abs(loss_cpu.item())
-    assert g_cpu.keys() == g_h200.keys() and len(g_cpu) > 50
-    worst = max(g_cpu, key=lambda n: rel_rms(g_h200[n], g_cpu[n]))
-    print(f"worst gradient: {worst} rel RMS {rel_rms(g_h200[worst], g_cpu[worst]):.2e}")
-    assert rel_rms(g_h200[worst], g_cpu[worst]) <= 1e-4
+    loss_err, errors = compare(training_step(packages))
+    worst = max(errors, key=errors.get)
+    print(f"QAT: loss rel diff {loss_err:.1e}; worst gradient {worst} {errors[worst]:.1e}")
+    assert loss_err <= 1e-4
+    assert errors[worst] <= 1e-2  # MXFP8 rounding flips, see the module docstring
+    assert sorted(errors.values())[len(errors) // 2] <= 1e-4  # the typical gradient agrees as without QAT
+
+
+def test_h200_training_step_without_qat_matches_every_gradient(packages_no_qat):
+    loss_err, errors = compare(training_step(packages_no_qat))
+    worst = max(errors, key=errors.get)
+    print(f"no QAT: loss rel diff {loss_err:.1e}; worst gradient {worst} {errors[worst]:.1e}")
+    assert loss_err <= 1e-4 and errors[worst] <= 1e-4
 
 
 def test_h200_inference_logits_match_the_cpu_build(packages):

@@ -69,9 +69,11 @@ def test_matches_chunk_reference(B, T, H, K, V, C, h0):
 
 
 def test_backward_matches_autograd_of_recurrence_small_blocks(monkeypatch):
-    """Blocks of 16 split K = 24 and V = 20 into a full and a ragged block in every kernel that loops over them."""
+    """Blocks of 16 split K = 24 and V = 20 into a full and a ragged block in every kernel that loops over them,
+    and dots over the padded K = 32 into two batched halves."""
     real = kt.launch_config
-    monkeypatch.setattr(kt, "launch_config", lambda *a, **s: {**real(*a, **s), "BLOCK_K": 16, "BLOCK_V": 16})
+    small = {"BLOCK_K": 16, "BLOCK_V": 16, "BLOCK_C": 16, "SPLIT": 16}
+    monkeypatch.setattr(kt, "launch_config", lambda *a, **s: {**real(*a, **s), **small})
     q, k, v, g, beta, S0 = _inputs(1, 37, 2, 24, 20, seed=2)
     scale = 0.3
     args = [x.clone().requires_grad_() for x in (q, k, v, g, beta, S0)]
@@ -117,3 +119,14 @@ def test_rejects_bad_chunk_size():
     for C in (8, 24):
         with pytest.raises(ValueError, match="chunk_size"):
             kt.kda_chunk_fwd(q, k, v, g, beta, None, None, C)
+
+
+def test_op_adapters_pack_outputs_as_lists():
+    q, k, v, g, beta, _ = _inputs(1, 9, 1, 16, 16)
+    out = kt.kda_chunk(q, k, v, g, beta, None, None, 16)
+    o, S, saved = kt.kda_chunk_fwd(q, k, v, g, beta, None, None, 16)
+    assert len(out) == 2 + len(saved) and torch.equal(out[0], o) and torch.equal(out[1], S)
+    grads = kt.kda_chunk_bwd_op(o, S, out[2:], q, k, v, g, beta, None, None)
+    want = kt.kda_chunk_bwd(o, S, saved, q, k, v, g, beta, None, None)
+    assert all(torch.equal(a, b) for a, b in zip(grads[:5], want[:5]))
+    assert grads[5].numel() == 0

@@ -20,6 +20,28 @@ FORMATS = ("e2m1", "e4m3", "e5m2")
 pytestmark = pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
 
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # CPU tensors run through the Triton interpreter
+
+
+def _to(obj, device):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to(o, device) for o in obj)
+    return obj
+
+
+class _OnDevice:
+    """mx_triton's wrappers with tensor arguments moved to DEVICE and results back to the CPU."""
+
+    def __getattr__(self, name):
+        fn = getattr(mx_triton, name)
+        return lambda *args: _to(fn(*_to(args, DEVICE)), "cpu")
+
+
+tri = _OnDevice()
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """Integer view of a tensor's bits (fp8 / uint8 -> uint8, 16-bit -> int16, 32-bit -> int32)."""
     return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
@@ -97,9 +119,10 @@ def test_tile_helpers_decode_every_code_and_scale(block):
     rows, n = 128, 512  # 256 payload bytes per row, every row a pair of scale bytes
     packed = torch.arange(256, dtype=torch.uint8).repeat(rows, 1)
     scale = torch.arange(256, dtype=torch.uint8).repeat_interleave(rows * (n // block) // 256).view(rows, n // block)
-    out = torch.empty(rows, n)
-    factor = torch.empty(rows, n // block)
-    _tile_probe[(1,)](packed, scale, out, factor, rows, n, block)
+    out = torch.empty(rows, n, device=DEVICE)
+    factor = torch.empty(rows, n // block, device=DEVICE)
+    _tile_probe[(1,)](packed.to(DEVICE), scale.to(DEVICE), out, factor, rows, n, block)
+    out, factor = out.cpu(), factor.cpu()
     assert_same_bits(out, mx.mx_dequantize_ref(packed, scale, "e2m1", block))
     expected = torch.where(scale == 255, float("nan"), torch.exp2(scale.double() - 127)).float()
     assert_same_bits(factor, expected)
@@ -113,7 +136,7 @@ def test_tile_helpers_decode_every_code_and_scale(block):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_quantize_bits_random_and_special(fmt, dtype):
     for x in (random_input(37, 96, dtype), special_input(fmt, dtype)):  # 111 blocks: a ragged last program
-        data, scale = mx_triton.mx_quantize(x, fmt, 32)
+        data, scale = tri.mx_quantize(x, fmt, 32)
         data_ref, scale_ref = mx.mx_quantize_ref(x, fmt, 32)
         assert_same_bits(data, data_ref)
         assert_same_bits(scale, scale_ref)
@@ -123,7 +146,7 @@ def test_quantize_bits_random_and_special(fmt, dtype):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_fake_quantize_bits_random_and_special(fmt, dtype):
     for x in (random_input(37, 96, dtype, seed=1), special_input(fmt, dtype)):
-        assert_same_bits(mx_triton.mx_fake_quantize(x, fmt, 32), mx.mx_fake_quantize_ref(x, fmt, 32))
+        assert_same_bits(tri.mx_fake_quantize(x, fmt, 32), mx.mx_fake_quantize_ref(x, fmt, 32))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -131,13 +154,13 @@ def test_odd_blocks_and_fp16(fmt):
     """Blocks that are not powers of two (padded tiles) or smaller than a tile, fp16 input, 3-d input."""
     for block, shape in ((24, (3, 5, 48)), (4, (2, 3, 8))):
         x = random_input(shape[0] * shape[1], shape[2], torch.float16, seed=2).view(shape) * 1e-20
-        data, scale = mx_triton.mx_quantize(x, fmt, block)
+        data, scale = tri.mx_quantize(x, fmt, block)
         data_ref, scale_ref = mx.mx_quantize_ref(x, fmt, block)
         assert_same_bits(data, data_ref)
         assert_same_bits(scale, scale_ref)
-        assert_same_bits(mx_triton.mx_fake_quantize(x, fmt, block), mx.mx_fake_quantize_ref(x, fmt, block))
+        assert_same_bits(tri.mx_fake_quantize(x, fmt, block), mx.mx_fake_quantize_ref(x, fmt, block))
         assert_same_bits(
-            mx_triton.mx_dequantize(data_ref, scale_ref, fmt, block, torch.float16),
+            tri.mx_dequantize(data_ref, scale_ref, fmt, block, torch.float16),
             mx.mx_dequantize_ref(data_ref, scale_ref, fmt, block, torch.float16),
         )
 
@@ -154,20 +177,26 @@ def test_dequantize_bits_every_payload_byte(fmt, dtype):
     scale[0] = torch.tensor([0, 255, 127], dtype=torch.uint8)
     if fmt != "e2m1":
         data = data.view(mx._FP8_DTYPES[fmt])
-    out = mx_triton.mx_dequantize(data, scale, fmt, 32, dtype)
+    out = tri.mx_dequantize(data, scale, fmt, 32, dtype)
     assert_same_bits(out, mx.mx_dequantize_ref(data, scale, fmt, 32, dtype))
     if fmt != "e2m1":  # uint8 bit patterns are accepted too
-        assert_same_bits(mx_triton.mx_dequantize(data.view(torch.uint8), scale, fmt, 32, dtype), out)
+        assert_same_bits(tri.mx_dequantize(data.view(torch.uint8), scale, fmt, 32, dtype), out)
 
 
-def test_empty_and_unsupported_inputs():
-    data, scale = mx_triton.mx_quantize(torch.empty(0, 64), "e4m3", 32)
+def test_non_contiguous_empty_and_unsupported_inputs():
+    x = random_input(64, 40, torch.float32, seed=9).t()  # [40, 64], strided
+    assert_same_bits(tri.mx_fake_quantize(x, "e4m3", 32), mx.mx_fake_quantize_ref(x, "e4m3", 32))
+    data, scale = mx.mx_quantize_ref(torch.randn(24, 64, generator=torch.Generator().manual_seed(9)), "e2m1", 32)
+    x = torch.randn(64, 40, generator=torch.Generator().manual_seed(10)).t()
+    y = tri.mx_linear(x, data, scale, "e2m1", 32, None)
+    assert rel_rms(y, mx.mx_linear_ref(x, data, scale, "e2m1", 32, None)) <= 1e-5
+    data, scale = tri.mx_quantize(torch.empty(0, 64), "e4m3", 32)
     assert data.shape == (0, 64) and scale.shape == (0, 2)
-    assert mx_triton.mx_fake_quantize(torch.empty(0, 64), "e2m1", 32).shape == (0, 64)
+    assert tri.mx_fake_quantize(torch.empty(0, 64), "e2m1", 32).shape == (0, 64)
     with pytest.raises(TypeError):
-        mx_triton.mx_fake_quantize(torch.zeros(2, 32, dtype=torch.float64), "e4m3", 32)
+        tri.mx_fake_quantize(torch.zeros(2, 32, dtype=torch.float64), "e4m3", 32)
     with pytest.raises(ValueError):
-        mx_triton.mx_quantize(torch.zeros(2, 48), "e4m3", 32)
+        tri.mx_quantize(torch.zeros(2, 48), "e4m3", 32)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -198,7 +227,7 @@ def test_linear_fp32(dot_scaled, fmt, act_fmt):
     """out 37 and in 96 are not multiples of the tiles; M = 21 rows from a 3-d x."""
     data, scale = _weights(fmt, 32)
     x = torch.randn(3, 7, 96, generator=torch.Generator().manual_seed(5))
-    y = mx_triton.mx_linear(x, data, scale, fmt, 32, act_fmt)
+    y = tri.mx_linear(x, data, scale, fmt, 32, act_fmt)
     ref = mx.mx_linear_ref(x, data, scale, fmt, 32, act_fmt)
     assert y.shape == ref.shape and y.dtype == torch.float32
     assert rel_rms(y, ref) <= 1e-5
@@ -210,13 +239,13 @@ def test_linear_bf16_fp16_and_block16(dot_scaled, act_fmt):
     data, scale = _weights("e2m1", 32)
     for dtype in (torch.bfloat16, torch.float16):
         x = torch.randn(21, 96, generator=torch.Generator().manual_seed(6)).to(dtype)
-        y = mx_triton.mx_linear(x, data, scale, "e2m1", 32, act_fmt)
+        y = tri.mx_linear(x, data, scale, "e2m1", 32, act_fmt)
         assert y.dtype == dtype
         assert rel_rms(y, mx.mx_linear_ref(x, data, scale, "e2m1", 32, act_fmt)) <= 5e-3
     data, scale = _weights("e4m3", 16)
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(7))
     ref = mx.mx_linear_ref(x, data, scale, "e4m3", 16, act_fmt)
-    assert rel_rms(mx_triton.mx_linear(x, data, scale, "e4m3", 16, act_fmt), ref) <= 1e-5
+    assert rel_rms(tri.mx_linear(x, data, scale, "e4m3", 16, act_fmt), ref) <= 1e-5
 
 
 @pytest.mark.parametrize(
@@ -235,6 +264,6 @@ def test_linear_bwd_matches_autograd(fmt, act_fmt, dtype, n_out, tol):
     grad_y = torch.randn(3, 7, n_out, generator=g).to(dtype)
     w = mx.mx_dequantize_ref(data, scale, fmt, 32, torch.float32)
     (expected,) = torch.autograd.grad((x.float() @ w.T).to(dtype), x, grad_y)
-    (dx,) = mx_triton.mx_linear_bwd([grad_y], x.detach(), data, scale, fmt, 32, act_fmt)
+    (dx,) = tri.mx_linear_bwd([grad_y], x.detach(), data, scale, fmt, 32, act_fmt)
     assert dx.shape == x.shape and dx.dtype == dtype
     assert rel_rms(dx, expected) <= tol
