@@ -290,7 +290,7 @@ def _any_expert_dims(fn):
 
     def fold(t):
         if isinstance(t, Tensor):
-            return t.reshape(-1, *t.shape[-2:])
+            return t.flatten(0, t.dim() - 3)
         if isinstance(t, list):
             return [fold(g) for g in t]
         return t
