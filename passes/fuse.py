@@ -122,24 +122,46 @@ def _fuse_router(gm: fx.GraphModule) -> int:
     return count
 
 
-def _stacked_weight(mm) -> fx.Node | None:
-    """W when `mm` is matmul(x, W.transpose(-1, -2)) with stacked weights W [..., out, in] (the routed experts)."""
+def _rank_major(node) -> tuple | None:
+    """(source, sizes) when `node` is shard_experts' rank-major view torch.unflatten(source, 0, sizes)."""
+    if _is(node, (torch.unflatten,)) and len(node.args) == 3 and node.args[1] == 0 and not node.kwargs:
+        return node.args[0], node.args[2]
+    return None
+
+
+def _stacked_weight(mm) -> tuple[fx.Node, tuple | None] | None:
+    """(W, rank-major sizes or None) when `mm` is matmul(x, W.transpose(-1, -2)), optionally viewed rank-major
+    ([ep, E/ep, ...]) after the transpose, with stacked weights W [E, out, in]: the routed experts' matmuls."""
     if not _is(mm, MATMULS) or len(mm.args) != 2 or len(mm.users) == 0:
         return None
     x, t = mm.args
+    view = _rank_major(t)
+    if view is not None:
+        t, sizes = view
     if not (isinstance(t, fx.Node) and t.op == "call_method" and t.target == "transpose" and tuple(t.args[1:]) in LAST_TWO):
         return None
     w = t.args[0]
     x_val, w_val = x.meta.get("val") if isinstance(x, fx.Node) else None, w.meta.get("val")
-    if x_val is None or w_val is None or w_val.dim() < 3 or x_val.dim() != w_val.dim():
+    if x_val is None or w_val is None or w_val.dim() < 3 or x_val.dim() != w_val.dim() + (view is not None):
         return None
-    return w
+    return w, None if view is None else sizes
+
+
+def _weight_operand(gm: fx.GraphModule, stacked: tuple) -> fx.Node:
+    """The weight as the fused op reads it: W itself, or its rank-major view (made just after W)."""
+    w, sizes = stacked
+    if sizes is None:
+        return w
+    with gm.graph.inserting_after(w):
+        return gm.graph.call_function(torch.unflatten, (w, 0, sizes))
 
 
 def _erase_if_unused(gm: fx.GraphModule, *nodes) -> None:
     for node in nodes:
-        if not node.users:
+        if isinstance(node, fx.Node) and not node.users:
+            inputs = list(node.all_input_nodes)
             gm.graph.erase_node(node)
+            _erase_if_unused(gm, *(i for i in inputs if i.op == "call_method" or _rank_major(i) is not None))
 
 
 def _fuse_experts(gm: fx.GraphModule) -> tuple[int, int]:
@@ -153,38 +175,48 @@ def _fuse_experts(gm: fx.GraphModule) -> tuple[int, int]:
             (gate, up), b1, b2, kind = act.args, 0.0, 0.0, "swiglu"
         else:
             continue
-        wg, wu = _stacked_weight(gate), _stacked_weight(up)
-        if wg is None or wu is None or gate.args[0] is not up.args[0] or len(gate.users) != 1 or len(up.users) != 1:
+        sg, su = _stacked_weight(gate), _stacked_weight(up)
+        if sg is None or su is None or gate.args[0] is not up.args[0] or len(gate.users) != 1 or len(up.users) != 1:
             continue
+        wg, wu = _weight_operand(gm, sg), _weight_operand(gm, su)
         with gm.graph.inserting_before(act):
             fused = gm.graph.call_function(K3.expert_glu.default, (gate.args[0], wg, wu, kind, b1, b2))
         act.replace_all_uses_with(fused)
-        transposes = (gate.args[1], up.args[1])
+        views = (gate.args[1], up.args[1])
         for dead in (act, gate, up):
             gm.graph.erase_node(dead)
-        _erase_if_unused(gm, *transposes)
+        _erase_if_unused(gm, *views)
         glu += 1
     matmul = 0
     for mm in list(gm.graph.nodes):
-        w = _stacked_weight(mm)
-        if w is None:
+        stacked = _stacked_weight(mm)
+        if stacked is None:
             continue
+        w = _weight_operand(gm, stacked)
         with gm.graph.inserting_before(mm):
             fused = gm.graph.call_function(K3.expert_matmul.default, (mm.args[0], w))
         mm.replace_all_uses_with(fused)
-        t = mm.args[1]
+        view = mm.args[1]
         gm.graph.erase_node(mm)
-        _erase_if_unused(gm, t)
+        _erase_if_unused(gm, view)
         matmul += 1
     return glu, matmul
 
 
-def _packed_e2m1(w) -> tuple | None:
-    """(data, scale, block) when `w` is an MXFP4 dequantisation read only by the expert op."""
-    if not _is(w, (K3.mx_dequantize.default,)) or len(w.users) != 1:
+def _packed_e2m1(gm: fx.GraphModule, w) -> tuple | None:
+    """(data, scale, block) when `w` is an MXFP4 dequantisation read only by the expert op, looking through
+    the rank-major view (then data and scale get the same view)."""
+    view = _rank_major(w) if isinstance(w, fx.Node) and len(w.users) == 1 else None
+    deq = view[0] if view is not None else w
+    if not _is(deq, (K3.mx_dequantize.default,)) or len(deq.users) != 1:
         return None
-    data, scale, fmt, block = w.args[:4]
-    return (data, scale, block) if fmt == "e2m1" else None
+    data, scale, fmt, block = deq.args[:4]
+    if fmt != "e2m1":
+        return None
+    if view is not None:
+        with gm.graph.inserting_before(w):
+            data, scale = (gm.graph.call_function(torch.unflatten, (t, 0, view[1])) for t in (data, scale))
+    return data, scale, block
 
 
 def _fuse_mx_experts(gm: fx.GraphModule) -> int:
@@ -193,13 +225,14 @@ def _fuse_mx_experts(gm: fx.GraphModule) -> int:
     for node in list(gm.graph.nodes):
         if _is(node, (K3.expert_glu.default,)):
             x, wg, wu, kind, b1, b2 = node.args
-            g, u = _packed_e2m1(wg), _packed_e2m1(wu)
+            g = _packed_e2m1(gm, wg)
+            u = _packed_e2m1(gm, wu) if g is not None else None
             if g is None or u is None or g[2] != u[2]:
                 continue
             target, args, dead = K3.mx_expert_glu.default, (x, g[0], g[1], u[0], u[1], g[2], kind, b1, b2), (wg, wu)
         elif _is(node, (K3.expert_matmul.default,)):
             x, w = node.args
-            packed = _packed_e2m1(w)
+            packed = _packed_e2m1(gm, w)
             if packed is None:
                 continue
             target, args, dead = K3.mx_expert_matmul.default, (x, *packed), (w,)
@@ -209,7 +242,11 @@ def _fuse_mx_experts(gm: fx.GraphModule) -> int:
             fused = gm.graph.call_function(target, args)
         node.replace_all_uses_with(fused)
         gm.graph.erase_node(node)
-        _erase_if_unused(gm, *dead)
+        for d in dead:  # the view (if any), then the dequantisation
+            inner = _rank_major(d)
+            _erase_if_unused(gm, d)
+            if inner is not None:
+                _erase_if_unused(gm, inner[0])
         count += 1
     return count
 

@@ -155,12 +155,12 @@ class PassManager:
     def _check_numerics(self, p: GraphPass, ctx: PassContext) -> float | None:
         small, inputs = self.numerics
         if not p.preserves_numerics:  # the graph before may not run yet (unresolved generic ops)
-            self._run_on(small, p, ctx)
+            self._run_on(small, p, ctx, inputs)
             return None
         snapshot = copy.deepcopy(small)
         with torch.no_grad():
             before = small(*inputs)
-            self._run_on(small, p, ctx)
+            self._run_on(small, p, ctx, inputs)
             after = small(*inputs)
         diff = _rel_diff(after, before)
         if not diff <= self.rtol:
@@ -172,7 +172,8 @@ class PassManager:
         return diff
 
     @staticmethod
-    def _run_on(gm: fx.GraphModule, p: GraphPass, ctx: PassContext) -> None:
+    def _run_on(gm: fx.GraphModule, p: GraphPass, ctx: PassContext, inputs: tuple) -> None:
+        verify_graph(gm, inputs)  # passes read the shapes (meta['val']) as on the main graph
         p.run(gm, ctx)
         eliminate_dead_code(gm)
         gm.recompile()
