@@ -48,33 +48,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def flat_tensors(out) -> list:
-    import torch
-
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [t for o in out for t in flat_tensors(o)]
-    return []
-
-
-def max_error(got, want) -> float:
-    """Largest relative RMS error over the floating-point outputs (inf on a mismatch of integers or shapes)."""
-    got, want = flat_tensors(got), flat_tensors(want)
-    if len(got) != len(want):
-        return math.inf
-    worst = 0.0
-    for a, b in zip(got, want):
-        if a.shape != b.shape:
-            return math.inf
-        if not b.is_floating_point():
-            worst = max(worst, 0.0 if bool((a == b).all()) else math.inf)
-            continue
-        a, b = a.double(), b.double()
-        worst = max(worst, ((a - b).pow(2).mean() / b.pow(2).mean().clamp_min(1e-30)).sqrt().item())
-    return worst
-
-
 def timer(device: str) -> Callable[[Callable[[], object]], float]:
     """Milliseconds per call: do_bench on a GPU, one timed call after one warm-up on CPU (the dry run)."""
     if device == "cuda":
@@ -98,6 +71,8 @@ def compiled(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def measure(case, device: str, time_ms, use_compile: bool, peaks: tuple[float, float] | None) -> dict:
+    from k3compile.kernels.compare import max_error
+
     err = max_error(case.triton(), case.reference())
     row = {"kernel": case.name, "max err": err, "ok": err <= case.rtol}
     t = time_ms(case.triton)

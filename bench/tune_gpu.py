@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import gpu
 
+    from k3compile.kernels.compare import max_error
     from k3compile.kernels.launch import device_target
 
     if not args.dry_run and not torch.cuda.is_available():
@@ -120,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.only and not any(text in case.name for text in args.only):
                 continue
             print(case.name)
-            for kernel, (sizes, config, _) in tune_case(case, kernels, args.trials, time_ms, gpu.max_error, print).items():
+            for kernel, (sizes, config, _) in tune_case(case, kernels, args.trials, time_ms, max_error, print).items():
                 if config:  # the defaults won: nothing to store
                     found.setdefault((kernels[kernel][0], kernel), []).append({"max": sizes, "config": config})
     path = args.out / f"{target}.json"

@@ -33,6 +33,17 @@ def _is(node, targets) -> bool:
     return isinstance(node, fx.Node) and node.op == "call_function" and node.target in targets
 
 
+def _glu(act) -> tuple | None:
+    """(gate, up, kind, beta1, beta2) of a k3 SiTU-GLU or SwiGLU node, None for anything else."""
+    if _is(act, (K3.situ_glu.default,)):
+        gate, up, b1, b2 = act.args
+        return gate, up, "situ_glu", b1, b2
+    if _is(act, (K3.swiglu.default,)):
+        gate, up = act.args
+        return gate, up, "swiglu", 0.0, 0.0
+    return None
+
+
 def _fuse_add_rms_norm(gm: fx.GraphModule) -> int:
     count = 0
     for norm in list(gm.graph.nodes):
@@ -82,13 +93,10 @@ def _fuse_rms_norm_gate(gm: fx.GraphModule) -> int:
 def _fuse_linear_glu(gm: fx.GraphModule) -> int:
     count = 0
     for act in list(gm.graph.nodes):
-        if _is(act, (K3.situ_glu.default,)):
-            gate, up, b1, b2 = act.args
-            kind = "situ_glu"
-        elif _is(act, (K3.swiglu.default,)):
-            (gate, up), b1, b2, kind = act.args, 0.0, 0.0, "swiglu"
-        else:
+        glu = _glu(act)
+        if glu is None:
             continue
+        gate, up, kind, b1, b2 = glu
         if not (_is(gate, LINEARS) and _is(up, LINEARS)) or len(gate.users) != 1 or len(up.users) != 1:
             continue
         if gate.args[0] is not up.args[0] or len(gate.args) > 2 and gate.args[2] is not None:
@@ -168,13 +176,10 @@ def _fuse_experts(gm: fx.GraphModule) -> tuple[int, int]:
     """Stacked-weight gate/up matmuls + GLU -> k3::expert_glu; the remaining stacked matmuls -> k3::expert_matmul."""
     glu = 0
     for act in list(gm.graph.nodes):
-        if _is(act, (K3.situ_glu.default,)):
-            gate, up, b1, b2 = act.args
-            kind = "situ_glu"
-        elif _is(act, (K3.swiglu.default,)):
-            (gate, up), b1, b2, kind = act.args, 0.0, 0.0, "swiglu"
-        else:
+        parts = _glu(act)
+        if parts is None:
             continue
+        gate, up, kind, b1, b2 = parts
         sg, su = _stacked_weight(gate), _stacked_weight(up)
         if sg is None or su is None or gate.args[0] is not up.args[0] or len(gate.users) != 1 or len(up.users) != 1:
             continue

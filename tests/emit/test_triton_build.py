@@ -20,12 +20,9 @@ import torch
 import k3compile
 from k3compile.build import BuildOptions, build
 from k3compile.kernels.binding import TRITON_KERNELS
+from k3compile.kernels.compare import rel_rms
 
 SEQ = 21  # ragged against KDA's chunk of 64 and every block size
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a - b).double().pow(2).mean() / b.double().pow(2).mean().clamp_min(1e-30)).sqrt().item()
 
 
 def build_both(spec, tmp_path_factory, mode: str = "both") -> dict:

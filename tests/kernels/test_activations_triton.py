@@ -5,14 +5,10 @@ import torch
 
 from k3compile.kernels import activations as ref
 from k3compile.kernels import activations_triton as tri
+from k3compile.kernels.compare import rel_rms
 
 SHAPES = [(3, 5, 100), (7, 256), (2, 37)]
 BETAS = [(4.0, 25.0), (1.0, 1.0), (4.0, 25.0)]  # K3's betas, and betas of 1 so tanh(u/b2) saturates too
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 def _inputs(shape, dtype=torch.float32, seed=0):

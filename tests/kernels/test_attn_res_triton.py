@@ -5,6 +5,7 @@ import torch
 
 from k3compile.kernels import attn_res_triton as art
 from k3compile.kernels.attn_res import attn_res_ref
+from k3compile.kernels.compare import rel_rms as _rel_rms
 
 # Rows longer than a block (two-pass forward), several D blocks and several partial rows of du.
 SMALL = {
@@ -13,11 +14,6 @@ SMALL = {
     "attn_res_bwd_dsrc": {"BLOCK_T": 2, "BLOCK_D": 32, "PROGRAMS": 12},
     "attn_res_bwd_reduce": {"BLOCK_D": 32},
 }
-
-
-def _rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 @pytest.fixture(params=["default", "small"])

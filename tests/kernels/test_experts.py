@@ -5,6 +5,7 @@ import torch
 
 from k3compile.kernels import experts as ref
 from k3compile.kernels.mx import mx_quantize_fast
+from k3compile.kernels.compare import rel_rms as _rel
 
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7, sign in bit 3
 
@@ -40,10 +41,6 @@ def _decode(data, scale, block):
                 value = E2M1[code & 7] * (-1.0 if code & 8 else 1.0)
                 out[e, r, j] = value * 2.0 ** (int(scale[e, r, j // block]) - 127)
     return out
-
-
-def _rel(a, b):
-    return ((a.double() - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 @pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])

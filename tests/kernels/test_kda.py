@@ -22,6 +22,7 @@ from k3compile.kernels.kda import (
     kda_recurrent_ref,
 )
 from k3compile.kernels.short_conv import short_conv_naive, short_conv_ref
+from k3compile.kernels.compare import rel_rms as _rel
 
 F64 = torch.float64
 
@@ -35,10 +36,6 @@ def _inputs(B=2, T=9, H=2, K=8, V=4, dtype=F64, lower_bound=-5.0, seed=0):
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen, dtype=dtype))
     S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
     return q, k, v, g, beta, S0
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def test_naive_hand_values_two_steps():

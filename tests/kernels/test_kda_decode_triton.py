@@ -7,11 +7,7 @@ import torch.nn.functional as F
 from k3compile.kernels import kda_decode_triton as kdt
 from k3compile.kernels.kda import kda_decode_step_ref, kda_recurrent_ref
 from k3compile.kernels.launch import launch_config
-
-
-def _rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
+from k3compile.kernels.compare import rel_rms as _rel_rms
 
 
 @pytest.fixture

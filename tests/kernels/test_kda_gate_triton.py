@@ -7,6 +7,7 @@ import torch
 
 from k3compile.kernels import kda_gate_triton as kgt
 from k3compile.kernels.kda import kda_gate_ref
+from k3compile.kernels.compare import rel_rms as _rel_rms
 
 FORMS = ["lower_bounded_sigmoid", "softplus"]
 LOWER_BOUND = -5.0
@@ -17,11 +18,6 @@ SMALL = {
     "kda_gate_bwd": {"BLOCK_N": 8, "SUB_N": 4, "BLOCK_P": 16},
     "kda_gate_bwd_reduce": {"BLOCK_R": 2},
 }
-
-
-def _rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 @pytest.fixture

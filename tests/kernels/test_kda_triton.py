@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 import k3compile.kernels.kda_triton as kt
 from k3compile.kernels.kda import kda_chunk_bwd, kda_chunk_fwd, kda_naive, kda_recurrent_ref
+from k3compile.kernels.compare import rel_rms as _rel
 
 GRAD_NAMES = ("dq", "dk", "dv", "dg", "dbeta", "dinitial_state")
 
@@ -27,11 +28,6 @@ def _inputs(B, T, H, K, V, *, h0=True, dtype=torch.float32, lower_bound=-5.0, se
 def _cotangents(o, S, seed=1):
     gen = torch.Generator().manual_seed(seed)
     return torch.randn(o.shape, generator=gen).to(o.dtype), torch.randn(S.shape, generator=gen)
-
-
-def _rel(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 def _check_grads(got, want, tol, h0):

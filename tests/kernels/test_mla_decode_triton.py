@@ -6,11 +6,7 @@ import torch
 from k3compile.kernels import mla_decode_triton as mdt
 from k3compile.kernels.launch import launch_config
 from k3compile.kernels.mla import mla_attention_ref, mla_decode_absorbed_ref
-
-
-def _rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
+from k3compile.kernels.compare import rel_rms as _rel_rms
 
 
 @pytest.fixture

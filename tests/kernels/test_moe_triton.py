@@ -11,15 +11,11 @@ from k3compile.kernels import experts as ref
 from k3compile.kernels import moe_triton as mt
 from k3compile.kernels.launch import launch_config
 from k3compile.kernels.mx import mx_quantize_fast
+from k3compile.kernels.compare import rel_rms as _rel_rms
 
 KINDS = ("situ_glu", "swiglu")
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 32}
 BETAS = (4.0, 25.0)
-
-
-def _rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 @pytest.fixture(params=["default", "small"])

@@ -14,6 +14,7 @@ import triton.language as tl
 
 from k3compile.kernels import mx, mx_triton
 from k3compile.kernels.mx_tile_triton import dequant_e2m1_tile, e8m0_to_fp32
+from k3compile.kernels.compare import rel_rms
 
 FORMATS = ("e2m1", "e4m3", "e5m2")
 # Scales up to 2^128 overflow fp32 on purpose (the reference gives Inf too); numpy warns under the interpreter.
@@ -55,11 +56,6 @@ def assert_same_bits(a: torch.Tensor, b: torch.Tensor) -> None:
         assert torch.equal(a.isnan(), nan)
         a, b = a[~nan], b[~nan]
     assert torch.equal(_bits(a), _bits(b))
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 def random_input(rows: int, n: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:

@@ -7,15 +7,11 @@ import torch
 
 from k3compile.kernels import norms as ref
 from k3compile.kernels import norms_triton as tri
+from k3compile.kernels.compare import rel_rms
 
 # Ragged last dims (100, 37: not powers of two) and 130 rows: more row blocks than backward programs,
 # so the grid-stride loop and the dweight partial-row sum both run more than once.
 SHAPES = [(3, 5, 100), (7, 256), (130, 37)]
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 def _inputs(shape, dtype=torch.float32, seed=0):

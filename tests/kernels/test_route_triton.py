@@ -6,11 +6,7 @@ import torch
 from k3compile.kernels import route_triton as rt
 from k3compile.kernels.fused import linear_route_ref
 from k3compile.kernels.moe import route_ref
-
-
-def _rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
+from k3compile.kernels.compare import rel_rms as _rel_rms
 
 
 def _small_blocks(monkeypatch):

@@ -5,6 +5,7 @@ import torch
 
 from k3compile.kernels import short_conv_triton as sct
 from k3compile.kernels.short_conv import short_conv_naive, short_conv_ref
+from k3compile.kernels.compare import rel_rms as _rel_rms
 
 # Small blocks so a short sequence spans several T-blocks, C-blocks and dweight partial rows.
 SMALL = {
@@ -12,11 +13,6 @@ SMALL = {
     "short_conv_bwd": {"BLOCK_T": 16, "SUB_T": 8, "BLOCK_C": 32},
     "short_conv_bwd_reduce": {"BLOCK_R": 2, "BLOCK_Q": 32},
 }
-
-
-def _rel_rms(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).pow(2).mean() / b.pow(2).mean()).sqrt().item()
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from k3compile.modules.kda import KDAMixer, KDAState
+from k3compile.kernels.compare import rel_rms as _rel
 
 D, H, K, W = 32, 2, 8, 4
 P = H * K
@@ -19,10 +20,6 @@ def _mixer(form="lower_bounded_sigmoid", gate_rank=None, seed=0, **kw):
 
 def _x(B=2, T=23, seed=1):
     return torch.randn(B, T, D, generator=torch.Generator().manual_seed(seed))
-
-
-def _rel(a, b):
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
 def test_parameter_names_and_shapes_full_rank_gate():

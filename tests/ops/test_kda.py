@@ -14,6 +14,7 @@ from k3compile.kernels.kda import kda_naive
 from k3compile.kernels.short_conv import short_conv_naive
 from k3compile.ops.kda import kda, kda_decode_step, kda_gate
 from k3compile.ops.short_conv import short_conv
+from k3compile.kernels.compare import rel_rms as _rel_rms
 
 F64 = torch.float64
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "ops_cpu.py"
@@ -29,12 +30,6 @@ def _inputs(B=2, T=9, H=2, K=16, V=16, dtype=torch.float32, seed=0, requires_gra
     beta = torch.sigmoid(torch.randn(B, T, H, generator=gen, dtype=dtype))
     S0 = torch.randn(B, H, K, V, generator=gen, dtype=dtype)
     return [t.requires_grad_(requires_grad) for t in (q, k, v, g, beta, S0)]
-
-
-def _rel_rms(a, b):
-    """||a - b|| / ||b||; exact zeros on both sides (e.g. d/dg of a decayed zero state) count as agreement."""
-    err, ref = (a.double() - b.double()).norm().item(), b.double().norm().item()
-    return err / ref if ref else err
 
 
 @pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
