@@ -12,7 +12,7 @@ the case's useful work over the kernel's time; "% roofline" is the larger of TFL
 dense bf16 rate and GB/s over its memory bandwidth (data-sheet figures below), i.e. how close the kernel
 runs to whichever bound applies. Case definitions live next to this file in gpu_<topic>.py.
 Exits 1 if any kernel disagrees with its reference. With --dry-run, timings are single CPU runs and
-torch.compile is skipped (its columns print "-"): the point is the checks and the table.
+torch.compile is skipped unless --compile (its columns print "-"): the point is the checks and the table.
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="run on CPU through TRITON_INTERPRET=1 with tiny shapes")
     p.add_argument("--only", action="append", default=[], metavar="TEXT", help="keep rows whose name contains TEXT")
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile column")
+    p.add_argument("--compile", action="store_true", help="with --dry-run: time torch.compile on CPU too")
     p.add_argument("--markdown", type=Path, help="also write the table to this Markdown file")
     return p.parse_args(argv)
 
@@ -82,7 +83,7 @@ def measure(case, device: str, time_ms, use_compile: bool, peaks: tuple[float, f
     row["GB/s"] = case.bytes / t / 1e6
     row["% roofline"] = None if peaks is None else 100 * max(row["TFLOP/s"] / peaks[0], row["GB/s"] / peaks[1])
     row["compile ms"] = row["x compile"] = None
-    if use_compile:
+    if use_compile and case.compile:
         comp = compiled(case.reference)
         comp()  # compile outside the timing
         row["compile ms"] = time_ms(comp)
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     target = device_target(device)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter, tiny shapes)"
     time_ms = timer(device)
-    use_compile = not (args.dry_run or args.no_compile)
+    use_compile = not args.no_compile and (args.compile or not args.dry_run)
     rows = []
     console = Console(width=max(Console().width, 200))
     start = time.perf_counter()

@@ -14,7 +14,8 @@ class GpuCase:
     timed calls); the reference is the eager PyTorch one, and bench/gpu.py also times it under
     torch.compile. `flops` and `bytes` are the useful work of one call, computed from the shapes
     (FLOP-bound kernels report TFLOP/s, the others GB/s). The outputs must agree to `rtol` in relative
-    RMS error (sqrt(mean((a-b)^2) / mean(b^2)) over every floating-point output).
+    RMS error (sqrt(mean((a-b)^2) / mean(b^2)) over every floating-point output). `compile` False skips
+    the torch.compile column where compiling the reference would unroll a long Python loop (minutes).
     """
 
     name: str
@@ -23,3 +24,4 @@ class GpuCase:
     flops: float
     bytes: float
     rtol: float = 1e-4
+    compile: bool = True

@@ -105,6 +105,8 @@ def expert_mlp(
     beta1: float = 4.0,
     beta2: float = 25.0,
     act_quant: tuple[str, int] | None = None,
+    *,
+    backend: str = "auto",
 ) -> Tensor:
     """All experts at once by batched matmuls: buffer [E, C, w], gate/up [E, I, w], down [E, w, I] -> [E, C, w].
 
@@ -115,16 +117,19 @@ def expert_mlp(
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
     if act_quant is not None:
-        buffer = mx_fake_quantize(buffer, *act_quant)
+        buffer = mx_fake_quantize(buffer, *act_quant, backend=backend)
     up = torch.matmul(buffer, up_weight.transpose(-1, -2))
     if activation == "gelu":
-        hidden = gelu(up)
+        hidden = gelu(up, backend=backend)
     else:
         if gate_weight is None:
             raise ValueError(f"{activation} needs gate_weight")
         gate = torch.matmul(buffer, gate_weight.transpose(-1, -2))
-        hidden = situ_glu(gate, up, beta1, beta2) if activation == "situ_glu" else swiglu(gate, up)
+        if activation == "situ_glu":
+            hidden = situ_glu(gate, up, beta1, beta2, backend=backend)
+        else:
+            hidden = swiglu(gate, up, backend=backend)
     if act_quant is not None:
-        hidden = mx_fake_quantize(hidden, *act_quant)
+        hidden = mx_fake_quantize(hidden, *act_quant, backend=backend)
     return torch.matmul(hidden, down_weight.transpose(-1, -2))
 

@@ -31,6 +31,15 @@ def test_gpu_bench_dry_run_checks_every_kernel_and_prints_the_table(tmp_path):
     assert all("| yes |" in line for line in rows), rows
 
 
+def test_gpu_bench_times_torch_compile_of_the_reference():
+    done = run("gpu.py", "--dry-run", "--compile", "--only", "swiglu 8x100")
+    assert done.returncode == 0, done.stderr[-3000:]
+    (row,) = [line for line in done.stdout.splitlines() if line.startswith("│ swiglu 8x100")]
+    cells = [c.strip() for c in row.strip("│").split("│")]
+    assert cells[0] == "swiglu 8x100 bf16" and cells[2] == "yes"
+    assert float(cells[-2]) > 0 and float(cells[-1]) > 0  # compile ms, speed-up over it
+
+
 def test_tuner_dry_run_writes_a_config_file_the_kernels_read(tmp_path):
     done = run("tune_gpu.py", "--dry-run", "--only", "rms_norm 8x100", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]

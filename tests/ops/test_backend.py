@@ -101,3 +101,11 @@ def test_kda_chunk_saves_what_its_backend_needs():
     assert saved["torch"] != saved["triton"]  # each backend's own saved set
     for a, b in zip(outs["triton"], outs["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_every_public_op_function_takes_a_backend_keyword():
+    import inspect
+
+    for name in ops.__all__:
+        param = inspect.signature(getattr(ops, name)).parameters.get("backend")
+        assert param is not None and param.kind is param.KEYWORD_ONLY and param.default == "auto", name
