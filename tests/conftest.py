@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-# No GPU in CI: Triton kernels run on CPU tensors through the interpreter. Triton reads this when a
-# kernel is decorated, so it is set before any test module imports one.
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite runs Triton kernels on CPU tensors through the interpreter, with or without a GPU (GPU checks
+# are bench/gpu.py's). Triton reads this when a kernel is decorated, so it is set before any test module
+# imports one.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 # One intra-op thread per test process: CI runs two xdist workers on two cores, and small
 # tensor ops stall badly when each worker also spreads them over both cores.
