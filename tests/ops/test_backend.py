@@ -109,3 +109,28 @@ def test_every_public_op_function_takes_a_backend_keyword():
     for name in ops.__all__:
         param = inspect.signature(getattr(ops, name)).parameters.get("backend")
         assert param is not None and param.kind is param.KEYWORD_ONLY and param.default == "auto", name
+
+
+def test_triton_bound_ops_export_and_compile_as_one_op():
+    """torch.export and torch.compile see each k3 op whole, whichever backend it runs (the custom op's fake
+    impl gives the shapes); the exported program keeps backend='triton' and runs the kernels."""
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.rand(40) + 0.5)
+
+        def forward(self, x, gate):
+            y = ops.rms_norm(x, self.w, backend="triton")
+            return ops.situ_glu(gate, y, backend="triton")
+
+    block = Block()
+    x, gate = torch.randn(3, 40), torch.randn(3, 40)
+    want = ops.situ_glu(gate, ops.rms_norm(x, block.w, backend="torch"), backend="torch")
+    exported = torch.export.export(block, (x, gate))
+    k3_nodes = [n for n in exported.graph.nodes if str(n.target).startswith("k3.")]
+    assert [str(n.target) for n in k3_nodes] == ["k3.rms_norm.default", "k3.situ_glu.default"]
+    assert all(n.kwargs.get("backend", n.args[-1]) == "triton" for n in k3_nodes)
+    torch.testing.assert_close(exported.module()(x, gate), want, rtol=1e-5, atol=1e-6)
+    compiled = torch.compile(block, fullgraph=True)
+    torch.testing.assert_close(compiled(x, gate), want, rtol=1e-5, atol=1e-6)
