@@ -146,7 +146,7 @@ def build(
         "binding_table": {m: binding_table(c.gm) for m, c in compiled.items()},
         "bindings": {m: _bindings(c.gm) for m, c in compiled.items()},
     }
-    exports = ["SPEC_JSON"] + [{"train": "Model", "infer": "InferenceModel"}[m] for m in modes]
+    exports = ["SPEC_JSON", "TARGET"] + [{"train": "Model", "infer": "InferenceModel"}[m] for m in modes]
     files = {
         "model.py": source.encode(),
         "__init__.py": _init_source(spec, exports).encode(),

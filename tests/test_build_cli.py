@@ -131,7 +131,7 @@ def test_mode_train_emits_only_the_training_model(h200_train):
     src = (dest / "model.py").read_text()
     assert "class Model(TrainingModule)" in src and "InferenceModel" not in src
     pkg = k3compile.load(dest)
-    assert pkg.__all__ == ["SPEC_JSON", "Model"] and not hasattr(pkg, "InferenceModel")
+    assert pkg.__all__ == ["SPEC_JSON", "TARGET", "Model"] and not hasattr(pkg, "InferenceModel")
 
 
 def test_mode_infer_and_dump_after_one_pass(infer_interleave):
@@ -141,6 +141,6 @@ def test_mode_infer_and_dump_after_one_pass(infer_interleave):
     assert sorted(p.name for p in (dest / "graphs" / "infer").iterdir()) == ["00-lowered.txt", "01-interleave.txt"]
     assert not (dest / "graphs" / "train").exists() and not (dest / "graphs" / "train-final.txt").exists()
     pkg = k3compile.load(dest)
-    assert pkg.__all__ == ["SPEC_JSON", "InferenceModel"] and not hasattr(pkg, "Model")
+    assert pkg.__all__ == ["SPEC_JSON", "TARGET", "InferenceModel"] and not hasattr(pkg, "Model")
     manifest = json.loads((dest / "manifest.json").read_text())
     assert manifest["modes"] == ["infer"] and list(manifest["passes"]) == ["infer"]

@@ -133,5 +133,5 @@ def model_source(
     lines += sorted(i for i in imports if not i.startswith("import"))
     lines += ["", "import k3compile.ops  # registers the torch.ops.k3 operators", ""]
     lines += ["from k3compile.runtime.generated import InferenceModule, TrainingModule", ""]
-    lines += [f"SPEC_JSON = {spec_json(spec)!r}", "", ""]
+    lines += [f"SPEC_JSON = {spec_json(spec)!r}", f"TARGET = {target!r}  # the kernels' target (see bind_kernels)", "", ""]
     return "\n".join(lines) + "\n\n".join(classes)

@@ -26,6 +26,7 @@ from types import ModuleType
 import torch
 from torch import Tensor, nn
 
+from k3compile.kernels.launch import interpreting
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime.balance import find_routers, restore_stats, snapshot_stats, update_balance
 from k3compile.runtime.data import VOCAB, Batches, Corpus, eval_batches, load_corpus, split, unigram_entropy
@@ -80,6 +81,12 @@ def resolve(spec_or_build: str | Path, overrides: Sequence[str] = ()) -> tuple[S
             raise TrainError(str(e)) from None
         if not hasattr(package, "Model"):
             raise TrainError(f"{path} has no training Model (built with --mode infer); rebuild with --mode train")
+        target = getattr(package, "TARGET", "cpu")
+        if target != "cpu" and not torch.cuda.is_available() and not interpreting():
+            raise TrainError(
+                f"{path} was built for {target} (Triton kernels) and this machine has no GPU; rebuild it with "
+                "--target cpu, or set TRITON_INTERPRET=1 to run the kernels through Triton's interpreter (slow)"
+            )
         return _spec_from_build(package, overrides), package
     return load_spec(path, list(overrides)), None
 

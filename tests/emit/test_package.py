@@ -76,7 +76,7 @@ def test_load_imports_the_build_folder_and_its_parent(tiny_build):
     dest, manifest = tiny_build
     mod = k3compile.load(dest)
     assert k3compile.load(dest.parent) is mod and k3compile.load(str(dest)) is mod
-    assert mod.__all__ == ["SPEC_JSON", "Model", "InferenceModel"]
+    assert mod.__all__ == ["SPEC_JSON", "TARGET", "Model", "InferenceModel"]
     assert mod.Model.SPEC_JSON == mod.InferenceModel.SPEC_JSON == mod.SPEC_JSON
     assert mod.Model().spec.model_dump(mode="json") == manifest["spec"]["fields"]
 
@@ -112,7 +112,7 @@ def test_package_imports_by_name_with_its_parent_on_sys_path(tiny_build):
         import torch
         sys.path.insert(0, sys.argv[1])
         pkg = importlib.import_module("k3_tiny")
-        assert pkg.__all__ == ["SPEC_JSON", "Model", "InferenceModel"], pkg.__all__
+        assert pkg.__all__ == ["SPEC_JSON", "TARGET", "Model", "InferenceModel"], pkg.__all__
         assert pkg.Model.__module__ == "k3_tiny.model"
         logits = pkg.InferenceModel(device="meta")(torch.zeros(1, 3, dtype=torch.long, device="meta"))
         print(tuple(logits.shape), logits.dtype)

@@ -193,6 +193,19 @@ def test_bad_input_is_one_line_exit_2_and_no_output(case, build, tmp_path, corpu
     assert expected in err
 
 
+def test_a_gpu_build_without_a_gpu_is_one_line_exit_2(tmp_path, corpus_file, cli, monkeypatch):
+    """A package bound to Triton kernels cannot train on a CPU unless the interpreter is asked for."""
+    from k3compile.build import BuildOptions
+    from k3compile.build import build as build_package
+
+    path, _ = build_package(load_spec(K3_TINY), tmp_path / "gpu", BuildOptions(mode="train", target="h200"))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    out = tmp_path / "run"
+    rc, _, err = cli("train", path, "--steps", "1", "--data", corpus_file, "--out", out)
+    assert rc == 2 and err.count("\n") == 1 and "was built for h200 (Triton kernels)" in err, err
+    assert not out.exists()
+
+
 def test_schedule_by_hand():
     cosine = Schedule(kind="cosine", warmup_steps=2, min_lr_ratio=0.1)
     assert [lr_at(s, 7, 1.0, cosine) for s in (0, 1, 2)] == [0.5, 1.0, 1.0]
