@@ -1,8 +1,7 @@
 """Triton kernels for the GLU activations of kernels/activations.py: SiTU-GLU and SwiGLU, forward and backward.
 
-Elementwise over the flattened tensors, BLOCK elements per program, fp32 math, the reference's dtypes out.
-tanh and sigmoid are built from tl.exp (stable forms, a series for small |z|) so the same code runs in the
-interpreter and on every GPU Triton version, which do not all have a tanh.
+Elementwise over the flattened tensors, BLOCK elements per program, fp32 math (kernels/triton_math.py's
+`glu` / `glu_grad`, shared with the MoE epilogues), the reference's dtypes out, bf16 rounded to nearest-even.
 """
 
 from __future__ import annotations
@@ -13,71 +12,36 @@ import triton.language as tl
 from torch import Tensor
 
 from k3compile.kernels.launch import launch_config
-from k3compile.kernels.norms_triton import _rounded, _sigmoid
+from k3compile.kernels.triton_math import glu, glu_grad, round_to
 
 _SPACE = {"BLOCK": [512, 1024, 2048, 4096, 8192], "num_warps": [2, 4, 8, 16]}
 TUNABLE = {name: dict(_SPACE) for name in ("situ_glu", "swiglu", "situ_glu_bwd", "swiglu_bwd")}
 _DEFAULTS = {"BLOCK": 2048, "num_warps": 8, "num_stages": 1}
 
-# |z| below: tanh's odd series to z^9 is exact to ~1e-8 relative; above: 1 - exp(-2|z|) does not cancel
-_TANH_SERIES_MAX = tl.constexpr(0.25)
-
-
-@triton.jit
-def _tanh(z):
-    """tanh(z) = sign(z) (1 - e) / (1 + e) with e = exp(-2|z|) (never overflows); its Taylor series near 0,
-    where 1 - e would cancel."""
-    a = tl.abs(z)
-    e = tl.exp(-2.0 * a)
-    big = (1.0 - e) / (1.0 + e)
-    big = tl.where(z < 0, -big, big)
-    z2 = z * z
-    small = z * (1.0 + z2 * (-1.0 / 3.0 + z2 * (2.0 / 15.0 + z2 * (-17.0 / 315.0 + z2 * (62.0 / 2835.0)))))
-    return tl.where(a < _TANH_SERIES_MAX, small, big)
-
 
 @triton.jit
 def _glu_fwd_kernel(gate_ptr, up_ptr, y_ptr, n, beta1, beta2, SITU: tl.constexpr, BLOCK: tl.constexpr):
-    """y = act(g) * lin(u): SiTU (b1 tanh(g/b1) sigmoid(g)) * (b2 tanh(u/b2)), or SwiGLU silu(g) * u."""
+    """y = glu(g, u): SiTU-GLU or SwiGLU over BLOCK elements."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sg = _sigmoid(g)
-    if SITU:
-        y = beta1 * _tanh(g / beta1) * sg * (beta2 * _tanh(u / beta2))
-    else:
-        y = g * sg * u
-    tl.store(y_ptr + offs, _rounded(y, y_ptr.dtype.element_ty), mask=mask)
+    y = glu(g, u, beta1, beta2, SITU)
+    tl.store(y_ptr + offs, round_to(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
 def _glu_bwd_kernel(gy_ptr, gate_ptr, up_ptr, dgate_ptr, dup_ptr, n, beta1, beta2,
                     SITU: tl.constexpr, BLOCK: tl.constexpr):
-    """dgate = dy * lin(u) * act'(g), dup = dy * act(g) * lin'(u).
-
-    SiTU: act' = (1 - t1^2) s + b1 t1 s (1 - s), lin' = 1 - t2^2 (t1 = tanh(g/b1), t2 = tanh(u/b2), s = sigmoid(g));
-    SwiGLU: act' = s (1 + g (1 - s)), lin' = 1.
-    """
+    """(dgate, dup) = glu_grad(g, u, dy) over BLOCK elements."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     gy = tl.load(gy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     g = tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     u = tl.load(up_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    sg = _sigmoid(g)
-    if SITU:
-        t1 = _tanh(g / beta1)
-        t2 = _tanh(u / beta2)
-        act = beta1 * t1 * sg
-        lin = beta2 * t2
-        dact = (1.0 - t1 * t1) * sg + act * (1.0 - sg)
-        dgate = gy * lin * dact
-        dup = gy * act * (1.0 - t2 * t2)
-    else:
-        dgate = gy * u * sg * (1.0 + g * (1.0 - sg))
-        dup = gy * g * sg
-    tl.store(dgate_ptr + offs, _rounded(dgate, dgate_ptr.dtype.element_ty), mask=mask)
-    tl.store(dup_ptr + offs, _rounded(dup, dup_ptr.dtype.element_ty), mask=mask)
+    dgate, dup = glu_grad(g, u, gy, beta1, beta2, SITU)
+    tl.store(dgate_ptr + offs, round_to(dgate, dgate_ptr.dtype.element_ty), mask=mask)
+    tl.store(dup_ptr + offs, round_to(dup, dup_ptr.dtype.element_ty), mask=mask)
 
 
 def _check(gate: Tensor, up: Tensor) -> tuple[Tensor, Tensor]:

@@ -57,6 +57,13 @@ def _tile_defaults(d: int) -> dict:
 
 
 @triton.jit
+def _query_u(query_ptr, normw_ptr, cols, cmask):
+    """u = norm_weight * query on these columns, fp32 (0 outside cmask): z_i = r_i (v_i . u)."""
+    q = tl.load(query_ptr + cols, mask=cmask, other=0.0).to(tl.float32)
+    return tl.load(normw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * q
+
+
+@triton.jit
 def _attn_res_fwd_kernel(
     src_ptr, query_ptr, normw_ptr, out_ptr, S, N, D, src_stride, eps,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr, ONE_PASS: tl.constexpr,
@@ -74,9 +81,7 @@ def _attn_res_fwd_kernel(
         cmask = cols0 < D
         mask = rmask[:, None] & cmask[None, :]
         offs = lrows[:, None] * D + cols0[None, :]
-        u = tl.load(normw_ptr + cols0, mask=cmask, other=0.0).to(tl.float32) * tl.load(
-            query_ptr + cols0, mask=cmask, other=0.0
-        ).to(tl.float32)
+        u = _query_u(query_ptr, normw_ptr, cols0, cmask)
         m = tl.full([BLOCK_T], float("-inf"), tl.float32)
         den = tl.zeros([BLOCK_T], tl.float32)
         acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
@@ -105,11 +110,11 @@ def _attn_res_fwd_kernel(
             cmask = cols < D
             mask = rmask[:, None] & cmask[None, :]
             offs = lrows[:, None] * D + cols[None, :]
-            u = tl.load(normw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(
-                query_ptr + cols, mask=cmask, other=0.0
-            ).to(tl.float32)
+            u = _query_u(query_ptr, normw_ptr, cols, cmask)
+            src_s = src  # stepped by pointer: s * src_stride overflows int32 once S*N*D >= 2^31
             for s in range(S):
-                v = tl.load(src + s * src_stride + offs, mask=mask, other=0.0).to(tl.float32)
+                v = tl.load(src_s + offs, mask=mask, other=0.0).to(tl.float32)
+                src_s += src_stride
                 sel = scol[None, :] == s
                 sumsq += tl.where(sel, tl.sum(v * v, axis=1)[:, None], 0.0)
                 dot += tl.where(sel, tl.sum(v * u[None, :], axis=1)[:, None], 0.0)
@@ -122,8 +127,10 @@ def _attn_res_fwd_kernel(
             mask = rmask[:, None] & (cols < D)[None, :]
             offs = lrows[:, None] * D + cols[None, :]
             acc = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+            src_s = src
             for s in range(S):
-                v = tl.load(src + s * src_stride + offs, mask=mask, other=0.0)
+                v = tl.load(src_s + offs, mask=mask, other=0.0)
+                src_s += src_stride
                 p_s = tl.sum(tl.where(scol[None, :] == s, p, 0.0), axis=1)
                 acc += p_s[:, None] * v.to(tl.float32)
             tl.store(out + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -155,9 +162,7 @@ def _attn_res_bwd_coef_kernel(
         cmask = cols < D
         mask = rmask[:, None] & cmask[None, :]
         offs = lrows[:, None] * D + cols[None, :]
-        u = tl.load(normw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(
-            query_ptr + cols, mask=cmask, other=0.0
-        ).to(tl.float32)
+        u = _query_u(query_ptr, normw_ptr, cols, cmask)
         dh = tl.load(dout + offs, mask=mask, other=0.0).to(tl.float32)
         src = src0
         v_next = tl.load(src + offs, mask=mask, other=0.0)
@@ -200,9 +205,7 @@ def _attn_res_bwd_dsrc_kernel(
     cmask = cols < D
     lrows = tl.arange(0, BLOCK_T)
     offs = lrows[:, None] * D + cols[None, :]
-    u = tl.load(normw_ptr + cols, mask=cmask, other=0.0).to(tl.float32) * tl.load(
-        query_ptr + cols, mask=cmask, other=0.0
-    ).to(tl.float32)
+    u = _query_u(query_ptr, normw_ptr, cols, cmask)
     plane = S * N
     du = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
     for b in range(BLOCKS_PER_PROGRAM):

@@ -31,9 +31,11 @@ def _kda_decode_step_kernel(
     scale, K, V,
     BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr,
 ):  # fmt: skip
-    """Program (V-block, b*H + h): decay, delta-rule update and readout of S[:, V-block] for one head."""
-    pid_v = tl.program_id(0)
-    bh = tl.program_id(1).to(tl.int64)
+    """Program (b*H + h, V-block): decay, delta-rule update and readout of S[:, V-block] for one head.
+
+    b*H + h is grid axis 0, the one without CUDA's 65535 limit (a decode batch of 2048 x 32 heads exceeds it)."""
+    bh = tl.program_id(0).to(tl.int64)
+    pid_v = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k = offs_k < K
@@ -75,7 +77,7 @@ def kda_decode_step(
     new_state = torch.empty(B, H, K, V, dtype=torch.float32, device=v.device)
     cfg = launch_config("kda_decode_step", v.device, _DEFAULTS, K=K, V=V, BH=B * H)
     block_v = min(cfg["BLOCK_V"], triton.next_power_of_2(V))
-    grid = (triton.cdiv(V, block_v), B * H)
+    grid = (B * H, triton.cdiv(V, block_v))
     _kda_decode_step_kernel[grid](
         q, k, v, g, beta, state, o, new_state,
         float(scale), K, V,

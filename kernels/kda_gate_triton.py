@@ -69,6 +69,7 @@ def _kda_gate_fwd_kernel(
     f_ptr, a_log_ptr, dt_bias_ptr, g_ptr, N, P, K, lower_bound,
     FORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr,
 ):
+    """g (fp32) for a [BLOCK_N, BLOCK_P] tile: lower_bound sigmoid(a x) (FORM 0) or -a softplus(x) (FORM 1)."""
     rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     cols = tl.program_id(1) * BLOCK_P + tl.arange(0, BLOCK_P)
     bias, a = _gate_params(a_log_ptr, dt_bias_ptr, cols, P, K)

@@ -44,6 +44,14 @@ def _cuda_target(index: int) -> str:
     return "a100"
 
 
+def sm_count(device: torch.device | str) -> int:
+    """Streaming multiprocessors a grid should fill on `device` (1 off CUDA: the interpreter runs programs in turn)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return 1
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def device_target(device: torch.device | str) -> str:
     """The target whose configurations a kernel on `device` uses: a GPU target for CUDA, else "cpu"."""
     device = torch.device(device)

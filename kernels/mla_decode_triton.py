@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3compile.kernels.launch import interpreting, launch_config
+from k3compile.kernels.launch import interpreting, launch_config, sm_count
 
 LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite start for running maxima: a fully masked block then gives p = 0, not NaN
@@ -139,13 +139,6 @@ def _mla_decode_reduce_kernel(
     tl.store(out_ptr + (bt * H + h) * L + offs_l, acc / total, mask=mask_l)
 
 
-def _sm_count(device: torch.device) -> int:
-    """Streaming multiprocessors to fill (1 off CUDA: the interpreter runs programs one by one)."""
-    if device.type != "cuda":
-        return 1
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     """The inputs' shared half dtype (cuBLAS accumulates in fp32), else fp32."""
     dtypes = {t.dtype for t in tensors}
@@ -180,7 +173,7 @@ def mla_decode_absorbed(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale
     s_blocks = triton.cdiv(S, block_s)
     # Auto: enough programs for about two per SM, but no split shorter than _MIN_SPLIT_BLOCKS blocks (each
     # split writes an fp32 partial of H * L per query, which must stay small next to its cache slice).
-    auto = min(triton.cdiv(2 * _sm_count(lat.device), B * T * head_blocks), triton.cdiv(s_blocks, _MIN_SPLIT_BLOCKS))
+    auto = min(triton.cdiv(2 * sm_count(lat.device), B * T * head_blocks), triton.cdiv(s_blocks, _MIN_SPLIT_BLOCKS))
     blocks_per_split = triton.cdiv(s_blocks, max(1, min(cfg["SPLITS"] or auto, s_blocks)))
     split_len = blocks_per_split * block_s
     splits = triton.cdiv(S, split_len)

@@ -2,10 +2,11 @@
 
 One program per (row tile, column tile) of one expert (grid axis 1 is the expert). The GLU forward keeps
 two fp32 accumulators (gate and up) that share each loaded x tile and applies SiTU-GLU / SwiGLU in the
-epilogue, so gate and up never reach memory. The MXFP4 variants read the packed e2m1 weight tiles and
-their E8M0 scales and dequantise them in registers. The backward recomputes the gate/up tiles to get
-dgate/dup through the activation's derivative, then runs plain grouped GEMMs: dx = dgate W_gate + dup W_up
-(one accumulator, two operand pairs) and dW = d^T x per expert. References: kernels/experts.py.
+epilogue (kernels/triton_math.py's `glu`, the elementwise kernels' math), so gate and up never reach memory.
+The MXFP4 variants read the packed e2m1 weight tiles and their E8M0 scales and dequantise them in registers.
+The backward recomputes the gate/up tiles to get dgate/dup through the activation's derivative, then runs
+plain grouped GEMMs: dx = dgate W_gate + dup W_up (one accumulator, two operand pairs) and dW = d^T x per
+expert. References: kernels/experts.py.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from k3compile.kernels.experts import check_glu_kind
 from k3compile.kernels.launch import interpreting, launch_config
 from k3compile.kernels.mx import mx_dequant_meta
 from k3compile.kernels.mx_tile_triton import dequant_e2m1_tile
+from k3compile.kernels.triton_math import glu, glu_grad
 
 _GEMM = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 _GLU = {"BLOCK_M": 128, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}  # two accumulators
@@ -29,7 +31,7 @@ DEFAULTS = {
     "expert_glu": dict(_GLU),
     "mx_expert_glu": dict(_GLU),
     "expert_glu_bwd": dict(_GLU),  # recompute gate/up, write dgate/dup
-    "expert_matmul": dict(_GEMM),  # x W^T forward, and the backward's d W (reduction over the feature dim)
+    "expert_matmul": dict(_GEMM),  # x W^T forward, and the backward's dx = d W (reduction over the feature dim)
     "mx_expert_matmul": dict(_GEMM),
     "expert_weight_grad": dict(_GEMM),  # dW = d^T x (reduction over the C capacity rows)
 }
@@ -51,46 +53,6 @@ def _dot(a, b, acc, UPCAST: tl.constexpr):
         a = a.to(tl.float32)
         b = b.to(tl.float32)
     return tl.dot(a, b, acc, input_precision="ieee")
-
-
-@triton.jit
-def _tanh(z):
-    """tanh in fp32: its odd Taylor series near 0 (no cancellation), (1 - e^-2|z|) / (1 + e^-2|z|) beyond."""
-    a = tl.abs(z)
-    t = tl.exp(-2.0 * a)
-    far = (1.0 - t) / (1.0 + t)
-    a2 = a * a
-    near = a * (1.0 + a2 * (-1.0 / 3.0 + a2 * (2.0 / 15.0 + a2 * (-17.0 / 315.0 + a2 * (62.0 / 2835.0)))))
-    r = tl.where(a < 0.25, near, far)
-    return tl.where(z < 0, -r, r)
-
-
-@triton.jit
-def _glu(g, u, beta1, beta2, SITU: tl.constexpr):
-    """SiTU-GLU b1 tanh(g/b1) sigmoid(g) * b2 tanh(u/b2), or SwiGLU silu(g) * u, on fp32 tiles."""
-    s = tl.sigmoid(g)
-    if SITU:
-        y = beta1 * _tanh(g / beta1) * s * (beta2 * _tanh(u / beta2))
-    else:
-        y = g * s * u
-    return y
-
-
-@triton.jit
-def _glu_grad(g, u, dy, beta1, beta2, SITU: tl.constexpr):
-    """(dgate, dup) of the activation's output cotangent dy, on fp32 tiles."""
-    s = tl.sigmoid(g)
-    if SITU:
-        t1 = _tanh(g / beta1)
-        t2 = _tanh(u / beta2)
-        left = beta1 * t1 * s  # the gate factor
-        right = beta2 * t2  # the up factor
-        dg = dy * ((1.0 - t1 * t1) * s + left * (1.0 - s)) * right
-        du = dy * left * (1.0 - t2 * t2)
-    else:
-        dg = dy * u * s * (1.0 + g * (1.0 - s))
-        du = dy * g * s
-    return dg, du
 
 
 @triton.jit
@@ -172,7 +134,7 @@ def _expert_glu_kernel(
         s_step = w_step
     g, u = _glu_tiles(x_ptr + e * M * K, wg_ptr + w_step, wgs_ptr + s_step, wu_ptr + w_step, wus_ptr + s_step,
                       rm, rn, M, N, K, MX, BLOCK, UPCAST, BLOCK_M, BLOCK_N, BLOCK_K)
-    y = _glu(g, u, beta1, beta2, SITU)
+    y = glu(g, u, beta1, beta2, SITU)
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     tl.store(y_ptr + e * M * N + rm[:, None] * N + rn[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
@@ -191,7 +153,7 @@ def _expert_glu_bwd_kernel(
     mask = (rm < M)[:, None] & (rn < N)[None, :]
     offs = e * M * N + rm[:, None] * N + rn[None, :]
     dy = tl.load(dy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    dg, du = _glu_grad(g, u, dy, beta1, beta2, SITU)
+    dg, du = glu_grad(g, u, dy, beta1, beta2, SITU)
     tl.store(dg_ptr + offs, dg.to(dg_ptr.dtype.element_ty), mask=mask)
     tl.store(du_ptr + offs, du.to(du_ptr.dtype.element_ty), mask=mask)
 

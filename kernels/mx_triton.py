@@ -26,6 +26,7 @@ from .mx_tile_triton import (
     pack_e2m1_tile,
     to_fp32,
 )
+from .triton_math import round_to
 
 TUNABLE = {
     "mx_quantize": {"BLOCKS": [32, 64, 128, 256], "num_warps": [2, 4, 8]},
@@ -74,17 +75,6 @@ def _block_grid(n_blocks: int, block: int, kernel: str, device) -> tuple[dict, t
 
 
 @triton.jit
-def _cast_out(v, ptr):
-    """fp32 tile v in ptr's element type; bf16 by an explicit round-to-nearest-even on the bits (what the GPU's
-    cvt does; the interpreter's fp32 -> bf16 cast truncates). NaN stays NaN, overflow rounds to Inf."""
-    if ptr.dtype.element_ty == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = tl.where(v != v, 0x7FC00000, bits + 0x7FFF + ((bits >> 16) & 1))
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return v.to(ptr.dtype.element_ty)
-
-
-@triton.jit
 def _block_tile(pid, N_BLOCKS, BLOCK: tl.constexpr, BLOCKS: tl.constexpr, BP2: tl.constexpr, WIDTH: tl.constexpr):
     """Row (block) ids [BLOCKS, 1], column ids [1, WIDTH] and the in-range mask of a tile of whole blocks."""
     rows = (pid * BLOCKS + tl.arange(0, BLOCKS))[:, None]
@@ -118,7 +108,7 @@ def _mx_fake_quantize_kernel(x_ptr, out_ptr, N_BLOCKS, BLOCK: tl.constexpr, MBIT
     offs = rows.to(tl.int64) * BLOCK + cols
     x = to_fp32(tl.load(x_ptr + offs, mask=mask, other=0.0))
     y = fake_quantize_tile(x, MBITS, EMIN, EMAX, MAXV, BP2)
-    tl.store(out_ptr + offs, _cast_out(y, out_ptr), mask=mask)
+    tl.store(out_ptr + offs, round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -135,7 +125,7 @@ def _mx_dequantize_kernel(data_ptr, scale_ptr, out_ptr, N_BLOCKS, BLOCK: tl.cons
     else:
         payload = tl.load(data_ptr + rows.to(tl.int64) * BLOCK + cols, mask=mask, other=0.0)
         y = dequant_fp8_tile(payload, scale, BP2)
-    tl.store(out_ptr + rows.to(tl.int64) * BLOCK + cols, _cast_out(y, out_ptr), mask=mask)
+    tl.store(out_ptr + rows.to(tl.int64) * BLOCK + cols, round_to(y, out_ptr.dtype.element_ty), mask=mask)
 
 
 def mx_quantize(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tensor]:
@@ -286,7 +276,7 @@ def _mx_linear_kernel(x_ptr, data_ptr, scale_ptr, y_ptr, M, N, K, E2M1: tl.const
             else:
                 acc = tl.dot(to_fp32(xa), tl.trans(w), acc, input_precision="ieee")
     nt = tl.trans(n)
-    tl.store(y_ptr + m64 * N + nt, _cast_out(acc, y_ptr), mask=(m < M) & (nt < N))
+    tl.store(y_ptr + m64 * N + nt, round_to(acc, y_ptr.dtype.element_ty), mask=(m < M) & (nt < N))
 
 
 @triton.jit
@@ -309,7 +299,7 @@ def _mx_linear_bwd_kernel(g_ptr, data_ptr, scale_ptr, dx_ptr, M, N, K, E2M1: tl.
         else:
             acc = tl.dot(to_fp32(g), w, acc, input_precision="ieee")
     kx = k + tl.arange(0, BLOCK_K)[None, :]
-    tl.store(dx_ptr + m64 * K + kx, _cast_out(acc, dx_ptr), mask=(m < M) & (kx < K))
+    tl.store(dx_ptr + m64 * K + kx, round_to(acc, dx_ptr.dtype.element_ty), mask=(m < M) & (kx < K))
 
 
 def _native_dot_scaled(device: torch.device) -> bool:

@@ -1,7 +1,8 @@
 """Triton kernels for the normalisations of kernels/norms.py: RMSNorm, L2 norm, gated RMSNorm, add + RMSNorm.
 
 Row-wise over the last dim: each program holds BLOCK_M whole rows (BLOCK_N = next power of two >= N) in
-registers, reduces in fp32 and writes the input dtype. One forward and one backward kernel serve all four
+registers, reduces in fp32 and writes the input dtype (bf16 rounded to nearest-even on the bits, so
+add_rms_norm's sum matches torch bit for bit in the interpreter too). One forward and one backward kernel serve all four
 ops through constexpr flags, so each op still compiles to its own specialised kernel. The weight gradient
 is deterministic: every backward program sums its rows into one fp32 partial row, and a second kernel adds
 the partial rows column by column in a fixed order (no atomics).
@@ -14,7 +15,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3compile.kernels.launch import launch_config
+from k3compile.kernels.launch import launch_config, sm_count
+from k3compile.kernels.triton_math import round_to, sigmoid
 
 MAX_N = 65536  # a whole row lives in registers; the norms in K3 are at most a few thousand wide
 MAX_TILE = 16384  # BLOCK_M * BLOCK_N cap: a tuned BLOCK_M is lowered to fit (wide rows take one row a program)
@@ -32,30 +34,6 @@ _TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.floa
 
 
 @triton.jit
-def _sigmoid(x):
-    """1 / (1 + exp(-x)) without overflow: exp only ever sees -|x|."""
-    e = tl.exp(-tl.abs(x))
-    return tl.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
-
-
-@triton.jit
-def _rounded(v, DTYPE: tl.constexpr):
-    """fp32 `v` rounded to nearest-even in DTYPE.
-
-    bf16 is rounded by hand on the bits: the interpreter's fp32 -> bf16 cast truncates, and the same
-    integer ops give the GPU's result, so add_rms_norm's sum matches torch bit for bit on both.
-    """
-    if DTYPE == tl.bfloat16:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = bits + (0x7FFF + ((bits >> 16) & 1))
-        out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        out = tl.where(v == v, out, v.to(tl.bfloat16))
-    else:
-        out = v.to(DTYPE)
-    return out
-
-
-@triton.jit
 def _norm_fwd_kernel(x_ptr, res_ptr, w_ptr, gate_ptr, y_ptr, sum_ptr, M, N, eps,
                      HAS_RES: tl.constexpr, HAS_WEIGHT: tl.constexpr, HAS_GATE: tl.constexpr,
                      MEAN: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -67,7 +45,7 @@ def _norm_fwd_kernel(x_ptr, res_ptr, w_ptr, gate_ptr, y_ptr, sum_ptr, M, N, eps,
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if HAS_RES:
         r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        s = _rounded(x + r, sum_ptr.dtype.element_ty)
+        s = round_to(x + r, sum_ptr.dtype.element_ty)
         tl.store(sum_ptr + offs, s, mask=mask)
         x = s.to(tl.float32)
     ss = tl.sum(x * x, axis=1)
@@ -78,8 +56,8 @@ def _norm_fwd_kernel(x_ptr, res_ptr, w_ptr, gate_ptr, y_ptr, sum_ptr, M, N, eps,
         w = tl.load(w_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         y = y * w[None, :]
     if HAS_GATE:
-        y = y * _sigmoid(tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32))
-    tl.store(y_ptr + offs, _rounded(y, y_ptr.dtype.element_ty), mask=mask)
+        y = y * sigmoid(tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+    tl.store(y_ptr + offs, round_to(y, y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -107,7 +85,7 @@ def _norm_bwd_kernel(gy_ptr, gs_ptr, x_ptr, res_ptr, w_ptr, gate_ptr, dx_ptr, dr
         x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         if HAS_RES:
             r = tl.load(res_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            x = _rounded(x + r, SUM_DTYPE).to(tl.float32)
+            x = round_to(x + r, SUM_DTYPE).to(tl.float32)
         gy = tl.load(gy_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         ss = tl.sum(x * x, axis=1)
         if MEAN:
@@ -115,9 +93,9 @@ def _norm_bwd_kernel(gy_ptr, gs_ptr, x_ptr, res_ptr, w_ptr, gate_ptr, dx_ptr, dr
         inv = tl.rsqrt(tl.where(rows < M, ss + eps, 1.0))[:, None]
         xh = x * inv
         if HAS_GATE:
-            sg = _sigmoid(tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32))
+            sg = sigmoid(tl.load(gate_ptr + offs, mask=mask, other=0.0).to(tl.float32))
             dgate = gy * xh * w * sg * (1.0 - sg)
-            tl.store(dgate_ptr + offs, _rounded(dgate, dgate_ptr.dtype.element_ty), mask=mask)
+            tl.store(dgate_ptr + offs, round_to(dgate, dgate_ptr.dtype.element_ty), mask=mask)
             gy = gy * sg
         if HAS_WEIGHT:
             dw_acc += gy * xh
@@ -130,8 +108,8 @@ def _norm_bwd_kernel(gy_ptr, gs_ptr, x_ptr, res_ptr, w_ptr, gate_ptr, dx_ptr, dr
         dx = inv * (gw - xh * c[:, None])
         if HAS_RES:
             dx += tl.load(gs_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            tl.store(dres_ptr + offs, _rounded(dx, dres_ptr.dtype.element_ty), mask=mask)
-        tl.store(dx_ptr + offs, _rounded(dx, dx_ptr.dtype.element_ty), mask=mask)
+            tl.store(dres_ptr + offs, round_to(dx, dres_ptr.dtype.element_ty), mask=mask)
+        tl.store(dx_ptr + offs, round_to(dx, dx_ptr.dtype.element_ty), mask=mask)
     if HAS_WEIGHT:
         tl.store(dw_part_ptr + pid * N + cols, tl.sum(dw_acc, axis=0), mask=cmask)
 
@@ -145,7 +123,7 @@ def _col_sum_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.
         rows = p0 + tl.arange(0, BLOCK_P)
         mask = (rows[:, None] < P) & (cols[None, :] < N)
         acc += tl.load(part_ptr + rows[:, None] * N + cols[None, :], mask=mask, other=0.0)
-    tl.store(out_ptr + cols, _rounded(tl.sum(acc, axis=0), out_ptr.dtype.element_ty), mask=cols < N)
+    tl.store(out_ptr + cols, round_to(tl.sum(acc, axis=0), out_ptr.dtype.element_ty), mask=cols < N)
 
 
 def _row_config(kernel: str, device: torch.device, M: int, N: int, tile: int, per_thread: int,
@@ -160,13 +138,6 @@ def _row_config(kernel: str, device: torch.device, M: int, N: int, tile: int, pe
     defaults = {"BLOCK_M": block_m, "num_warps": warps, "num_stages": 1, **(extra or {})}
     cfg = launch_config(kernel, device, defaults, M=M, N=N)
     return {**cfg, "BLOCK_M": min(cfg["BLOCK_M"], max(1, MAX_TILE // block_n)), "BLOCK_N": block_n}
-
-
-def _sm_programs(device: torch.device) -> int:
-    """Default backward grid: 4 programs per SM on a GPU, a handful under the interpreter."""
-    if device.type == "cuda":
-        return 4 * torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
 
 
 def _forward(op: str, x: Tensor, residual: Tensor | None, weight: Tensor | None, gate: Tensor | None,
@@ -219,7 +190,7 @@ def _backward(op: str, g_y: Tensor, g_s: Tensor | None, x: Tensor, residual: Ten
             dres.copy_(g_s)
         return dx, dres, dw, dgate
     sum_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
-    extra = {"PROGRAMS": _sm_programs(x.device)} if weight is not None else {}
+    extra = {"PROGRAMS": 4 * sm_count(x.device)} if weight is not None else {}  # 4 programs per SM
     cfg = _row_config(f"{op}_bwd", x.device, M, N, tile=1024, per_thread=8, extra=extra)
     row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
     programs = min(row_blocks, cfg["PROGRAMS"]) if weight is not None else row_blocks

@@ -50,6 +50,7 @@ def _short_conv_fwd_kernel(
     x_ptr, w_ptr, init_ptr, y_ptr, state_ptr, T, C,
     W: tl.constexpr, HAS_INIT: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr,
 ):
+    """Program (c-block, T-block, b): y = SiLU(conv) for BLOCK_T tokens; the last T-block also writes the state."""
     pid_c, pid_t, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     ts = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     cols = pid_c * BLOCK_C + tl.arange(0, BLOCK_C)

@@ -70,7 +70,7 @@ def test_matches_expanded_attention_with_non_contiguous_query(config):
 def test_default_config_auto_splits(monkeypatch, sms):
     # Default fp32 BLOCK_S = 16: S = 300 is 19 blocks. One SM -> one split; 64 SMs -> min(2 * 64 / 2 programs,
     # 19 blocks / 8 per split) = 3 splits of 7 blocks (the last ragged), merged by the reduce kernel.
-    monkeypatch.setattr(mdt, "_sm_count", lambda device: sms)
+    monkeypatch.setattr(mdt, "sm_count", lambda device: sms)
     q, latent, w = _inputs(1, 2, 300, 3, 32, 16, 16, 24, seed=3)
     o = mdt.mla_decode_absorbed(q, latent, w, 0.2)
     assert _rel_rms(o, mla_decode_absorbed_ref(q, latent, w, 0.2)) < 1e-5
