@@ -71,7 +71,7 @@ def compiled(fn: Callable[[], object]) -> Callable[[], object]:
     return torch.compile(fn, dynamic=False)
 
 
-def measure(case, device: str, time_ms, use_compile: bool, peaks: tuple[float, float] | None) -> dict:
+def measure(case, time_ms, use_compile: bool, peaks: tuple[float, float] | None) -> dict:
     from k3compile.kernels.compare import max_error
 
     err = max_error(case.triton(), case.reference())
@@ -140,8 +140,9 @@ def main(argv: list[str] | None = None) -> int:
         for case in importlib.import_module(module).cases(device, args.dry_run):
             if args.only and not any(text in case.name for text in args.only):
                 continue
-            rows.append(measure(case, device, time_ms, use_compile, PEAKS.get(target)))
-            torch.cuda.empty_cache() if device == "cuda" else None
+            rows.append(measure(case, time_ms, use_compile, PEAKS.get(target)))
+            if device == "cuda":
+                torch.cuda.empty_cache()  # each case's K3-sized inputs go before the next's
             console.log(f"{case.name}: err {fmt(rows[-1]['max err'])}, {fmt(rows[-1]['triton ms'])} ms")
     elapsed = time.perf_counter() - start
     table = Table(title=f"Triton kernels on {gpu} (torch {torch.__version__}), {elapsed:.0f} s", title_justify="left")

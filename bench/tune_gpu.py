@@ -31,11 +31,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="CPU through TRITON_INTERPRET=1, tiny shapes")
     p.add_argument("--only", action="append", default=[], metavar="TEXT", help="cases whose name contains TEXT")
-    p.add_argument("--trials", type=int, default=24, help="candidate configurations per kernel (default 24)")
+    p.add_argument("--trials", type=int, help="candidate configurations per kernel (default 24; 2 with --dry-run)")
     p.add_argument("--out", type=Path, default=ROOT / "kernels" / "configs", help="folder for <target>.json")
     args = p.parse_args(argv)
-    if args.dry_run and "--trials" not in " ".join(argv or sys.argv):
-        args.trials = 2
+    if args.trials is None:
+        args.trials = 2 if args.dry_run else 24
     return args
 
 
