@@ -1,12 +1,13 @@
-"""`k3compile build`: lower a spec, run the pass pipeline per mode, emit the package.
+"""`k3compile build`: lower the model definition to its graphs, run the pass pipeline on each, emit the package.
 
+A train build has the train graph; an infer build the prefill and decode graphs; "both" all three.
+Every graph is traced from one model definition (sharing its weights) and runs every pass.
 Small specs lower with real, initialised weights on the CPU; full-size ones on the
 meta device, so a 2.8T-parameter model builds in seconds with no weight memory.
 """
 
 from __future__ import annotations
 
-import copy
 import json
 import keyword
 from collections.abc import Callable
@@ -20,13 +21,14 @@ from k3compile.analysis.params import param_counts
 from k3compile.analysis.stats import spec_stats
 from k3compile.emit.codegen import model_source, spec_hash
 from k3compile.emit.package import check_dest, write_package
-from k3compile.ir.lower import lower
+from k3compile.ir.lower import build_model, lower
 from k3compile.ir.pass_manager import GraphPass, PassContext, PassManager, PassRecord
 from k3compile.ir.verify import format_graph
 from k3compile.spec.schema import Spec
 
 REAL_WEIGHTS_MAX_PARAMS = 200_000_000  # above this, lower on the meta device
 MODES = ("train", "infer")
+GRAPHS_OF_MODE = {"train": ("train",), "infer": ("prefill", "decode")}
 
 
 def pipeline() -> list[GraphPass]:
@@ -48,7 +50,7 @@ class BuildOptions:
 
 @dataclass
 class CompiledGraph:
-    mode: str
+    graph: str  # train | prefill | decode
     gm: fx.GraphModule
     records: list[PassRecord]
     dumps: dict[str, str] = field(default_factory=dict)
@@ -63,35 +65,34 @@ def lowering_device(spec: Spec, options: BuildOptions) -> str:
 def compile_graphs(
     spec: Spec, modes: tuple[str, ...], options: BuildOptions, on_pass: Callable[[str], None] | None = None
 ) -> dict[str, CompiledGraph]:
-    """Lower `spec` once, run the shared passes, then the mode-dependent rest per mode on a copy."""
+    """Build the model definition once, then lower and run every pass on each graph the modes need."""
     device = lowering_device(spec, options)
     target = options.target or spec.target
-    lowered = lower(spec, device)
-    numerics = None
-    if options.verify_numerics:
-        if device == "meta":
-            raise ValueError("--verify-numerics needs real weights: use it on a small spec (or --set smaller dims)")
-        small = lower(spec, "cpu")
-        numerics = (small.gm, small.example_inputs)
-    passes = pipeline()
-    split = next((i for i, p in enumerate(passes) if p.mode_dependent), len(passes))
-    dumps: dict[str, dict[str, str]] = {m: {} for m in modes}
-    shared = PassManager(
-        passes,
-        disabled=options.disabled,
-        dump_after=options.dump_after,
-        numerics=numerics,
-        on_dump=lambda name, text: [dumps[m].__setitem__(name, text) for m in modes],
-        on_pass=on_pass,
-    )
-    gm = shared.run(lowered.gm, PassContext(spec, modes[0], target), lowered.example_inputs, stop=split)
+    if options.verify_numerics and device == "meta":
+        raise ValueError("--verify-numerics needs real weights: use it on a small spec (or --set smaller dims)")
+    model = build_model(spec, device)
+    small = model if options.verify_numerics and device == "cpu" else None
+    if options.verify_numerics and small is None:
+        small = build_model(spec, "cpu")
     out = {}
-    for k, mode in enumerate(modes):
-        manager = shared.fork()
-        manager.on_dump = lambda name, text, mode=mode: dumps[mode].__setitem__(name, text)
-        mode_gm = gm if k == len(modes) - 1 else copy.deepcopy(gm)
-        manager.run(mode_gm, PassContext(spec, mode, target), lowered.example_inputs, start=split)
-        out[mode] = CompiledGraph(mode, mode_gm, manager.records, dumps[mode])
+    for mode in modes:
+        for graph in GRAPHS_OF_MODE[mode]:
+            lowered = lower(spec, graph=graph, model=model)
+            numerics = None
+            if small is not None:
+                check = lower(spec, graph=graph, model=small)
+                numerics = (check.gm, check.example_inputs)
+            dumps: dict[str, str] = {}
+            manager = PassManager(
+                pipeline(),
+                disabled=options.disabled,
+                dump_after=options.dump_after,
+                numerics=numerics,
+                on_dump=dumps.__setitem__,
+                on_pass=None if on_pass is None else (lambda name, g=graph: on_pass(f"{g}: {name}")),
+            )
+            manager.run(lowered.gm, PassContext(spec, mode, target, graph), lowered.example_inputs)
+            out[graph] = CompiledGraph(graph, lowered.gm, manager.records, dumps)
     return out
 
 
@@ -131,15 +132,16 @@ def build(
         spec,
         pass_names,
         target,
-        {m: c.gm for m, c in compiled.items()},
+        {g: c.gm for g, c in compiled.items()},
         default_device=device,
-        packed={m: _packed(c.gm) for m, c in compiled.items()},
+        packed={g: _packed(c.gm) for g, c in compiled.items()},
     )
     manifest = {
         "compiler": f"k3compile {__version__}",
         "spec": {"name": spec.name, "sha256": spec_hash(spec), "fields": spec.model_dump(mode="json")},
         "target": target,
         "modes": list(modes),
+        "graphs": list(compiled),
         "weights": "meta (shapes only; load real weights later)" if device == "meta" else "initialised (seeded)",
         "stats": spec_stats(spec),
         "passes": {m: [r.as_dict() for r in c.records] for m, c in compiled.items()},
@@ -152,10 +154,10 @@ def build(
         "__init__.py": _init_source(spec, exports).encode(),
         "manifest.json": (json.dumps(manifest, indent=2, sort_keys=True) + "\n").encode(),
     }
-    for m, c in compiled.items():
-        files[f"graphs/{m}-final.txt"] = format_graph(c.gm).encode()
+    for g, c in compiled.items():
+        files[f"graphs/{g}-final.txt"] = format_graph(c.gm).encode()
         for name, text in c.dumps.items():
-            files[f"graphs/{m}/{name}.txt"] = text.encode()
+            files[f"graphs/{g}/{name}.txt"] = text.encode()
     dest = write_package(dest, files, {"compiler": __version__, "spec": spec.name})
     return dest, manifest
 

@@ -204,7 +204,8 @@ def _cmd_generate(args) -> None:
     import time
 
     from k3compile.runtime.generate import (
-        GenerateError, build_spec, check_request, encode, generate_tokens, load_build, load_decoder, stream_text,
+        GenerateError, build_spec, check_request, encode, generate_tokens, load_build, load_inference_model,
+        stream_text,
     )
 
     try:
@@ -213,10 +214,10 @@ def _cmd_generate(args) -> None:
         check_request(build_spec(module), prompt, args.max_new_tokens, args.temperature, args.top_p)
         if args.checkpoint is None:
             print(f"note: no --checkpoint: using the seeded initial weights of {args.build}", file=sys.stderr)
-        decoder = load_decoder(module, args.checkpoint)
+        model = load_inference_model(module, args.checkpoint)
         caches = []
         start = time.perf_counter()
-        tokens = generate_tokens(decoder, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
+        tokens = generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                                  on_cache=caches.append)
         stream_text(tokens, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
     except GenerateError as e:

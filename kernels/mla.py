@@ -30,12 +30,20 @@ def rope_ref(x: Tensor, start_pos: int, theta: float) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
-def _causal_softmax(scores_BHTS: Tensor) -> Tensor:
-    """Softmax over keys with the causal mask for queries at the last T of S positions."""
+def _causal_softmax(scores_BHTS: Tensor, lengths_B: Tensor | None = None) -> Tensor:
+    """Softmax over keys with the causal mask for queries at the last T of each sequence's valid keys.
+
+    Without lengths every sequence fills all S keys; with them sequence b holds lengths[b] valid keys
+    (a preallocated cache) and its queries sit at positions lengths[b] - T .. lengths[b] - 1.
+    """
     T, S = scores_BHTS.shape[-2:]
-    q_pos = torch.arange(S - T, S, device=scores_BHTS.device)
     k_pos = torch.arange(S, device=scores_BHTS.device)
-    visible = k_pos[None, :] <= q_pos[:, None]
+    if lengths_B is None:
+        q_pos = torch.arange(S - T, S, device=scores_BHTS.device)
+        visible = k_pos[None, :] <= q_pos[:, None]
+    else:
+        q_pos_BT = lengths_B[:, None] - T + torch.arange(T, device=scores_BHTS.device)
+        visible = (k_pos[None, None, :] <= q_pos_BT[:, :, None])[:, None]  # [B, 1, T, S]
     return torch.softmax(scores_BHTS.masked_fill(~visible, float("-inf")), dim=-1)
 
 
@@ -52,13 +60,16 @@ def mla_attention_ref(q_BTHK: Tensor, k_nope_BSHN: Tensor, k_pe_BSR: Tensor, v_B
     return torch.einsum("bhts,bshv->bthv", p, upcast(v_BSHV)).to(q_BTHK.dtype).contiguous()
 
 
-def mla_decode_absorbed_ref(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float) -> Tensor:
+def mla_decode_absorbed_ref(
+    q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float, lengths_B: Tensor | None = None
+) -> Tensor:
     """Absorbed MLA over the latent cache: attends over [c_kv, k_pe] without expanding keys or values.
 
     latent_BSC holds the normed c_kv (first L values) and k_pe (last R) of every cached token.
     w_kvb is kv_b_proj.weight [H*(N+V), L]: its key rows fold into the query
     (q_lat = W_uk^T q_nope, so q_nope . k_nope = q_lat . c_kv) and its value rows are applied
     after attention (o = W_uv (P c_kv)). Same result as the expanded form, O(S * C) per query.
+    lengths_B (int64), when given, is how many leading cache rows of each sequence are valid.
     """
     H, K = q_BTHK.shape[2], q_BTHK.shape[3]
     L = w_kvb.shape[1]
@@ -71,6 +82,6 @@ def mla_decode_absorbed_ref(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, s
     c_kv, k_pe = lat[..., :L], lat[..., L:]
     q_lat = torch.einsum("bthn,hnl->bthl", q[..., :N], w_uk)
     scores = torch.einsum("bthl,bsl->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q[..., N:], k_pe)
-    p = _causal_softmax(scores * scale)
+    p = _causal_softmax(scores * scale, lengths_B)
     o_lat = torch.einsum("bhts,bsl->bthl", p, c_kv)
     return torch.einsum("bthl,hvl->bthv", o_lat, w_uv).to(q_BTHK.dtype).contiguous()

@@ -53,11 +53,11 @@ def _dot(a, b, LOW: tl.constexpr):
 
 @triton.jit
 def _mla_decode_kernel(
-    qlat_ptr, q_ptr, lat_ptr, opart_ptr, lse_ptr,
+    qlat_ptr, q_ptr, lat_ptr, opart_ptr, lse_ptr, len_ptr,
     qk_scale, T, S, H, L, R, N, split_len,
     s_qb, s_qt, s_qh,
     BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_L: tl.constexpr, BLOCK_R: tl.constexpr,
-    LOW: tl.constexpr,
+    LOW: tl.constexpr, HAS_LENGTHS: tl.constexpr,
 ):  # fmt: skip
     """Program (head block, split, b*T + t): partial attention of BLOCK_H heads over one split of the cache."""
     pid_h = tl.program_id(0)
@@ -83,7 +83,10 @@ def _mla_decode_kernel(
         other=0.0,
     )
 
-    last = S - T + t  # the query's position: it sees keys 0..last
+    if HAS_LENGTHS:  # a preallocated cache: sequence b's valid rows are 0 .. lengths[b] - 1
+        last = tl.load(len_ptr + b) - T + t
+    else:
+        last = S - T + t  # the query's position: it sees keys 0..last
     lo = split * split_len
     hi = tl.minimum(lo + split_len, last + 1)
     C = L + R
@@ -147,8 +150,13 @@ def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     return torch.float32
 
 
-def mla_decode_absorbed(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float) -> Tensor:
-    """Absorbed MLA over the latent cache [c_kv | k_pe]: causal attention of the last T positions -> o [B, T, H, V]."""
+def mla_decode_absorbed(
+    q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float, lengths_B: Tensor | None = None
+) -> Tensor:
+    """Absorbed MLA over the latent cache [c_kv | k_pe]: causal attention of the last T positions -> o [B, T, H, V].
+
+    lengths_B (int64 [B]): valid rows of each sequence's cache; None means all S.
+    """
     B, T, H, K = q_BTHK.shape
     S = latent_BSC.shape[1]
     L = w_kvb.shape[1]
@@ -181,12 +189,12 @@ def mla_decode_absorbed(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale
     o_part = torch.empty(B * T, splits, H, L, dtype=torch.float32, device=lat.device)
     lse = torch.empty(B * T, splits, H, dtype=torch.float32, device=lat.device)
     _mla_decode_kernel[(head_blocks, splits, B * T)](
-        q_lat, q, lat, o_part, lse,
+        q_lat, q, lat, o_part, lse, lat if lengths_B is None else lengths_B.contiguous(),
         float(scale) * LOG2E, T, S, H, L, R, N, split_len,
         q.stride(0), q.stride(1), q.stride(2),
         BLOCK_H=block_h, BLOCK_S=block_s,
         BLOCK_L=max(16, triton.next_power_of_2(L)), BLOCK_R=max(16, triton.next_power_of_2(R)),
-        LOW=low and not interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        LOW=low and not interpreting(), HAS_LENGTHS=lengths_B is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
     if splits == 1:
         o_lat = o_part.view(B, T, H, L)

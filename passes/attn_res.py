@@ -1,4 +1,10 @@
-"""attn_res: wire each generic depth mix as a plain residual sum or as block/full attention residuals."""
+"""attn_res: wire each depth site as a plain residual sum or as block/full attention residuals.
+
+Lowering keeps every depth site (`layers.<i>.attn_res`, `layers.<i>.ffn_res`, `final_res`) as a call
+on the list of all earlier sublayer outputs. Plain residuals become one running sum; attention
+residuals become the sums their source plan names, shared between sites, stacked and mixed by
+k3::attn_res with the site's own query and norm weight.
+"""
 
 from __future__ import annotations
 
@@ -7,18 +13,10 @@ import operator
 import torch
 from torch import fx
 
-from k3compile.ir.generic_ops import DEPTH_MIX
-from k3compile.ir.init import init_parameters
-from k3compile.ir.inline import inline_module
+from k3compile.ir.inline import inline_call
 from k3compile.ir.pass_manager import GraphPass, PassContext
-from k3compile.modules.attn_res import AttnRes, source_plan
-
-
-def site_path(site: int, num_layers: int) -> str:
-    """Where the AttnRes of a site keeps its parameters: before attention, before the FFN, or final."""
-    if site == 2 * num_layers:
-        return "final_res"
-    return f"layers.{site // 2}.{'attn_res' if site % 2 == 0 else 'ffn_res'}"
+from k3compile.modules.attn_res import source_plan
+from k3compile.modules.model import DEPTH_SITES
 
 
 def _sum(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
@@ -32,7 +30,7 @@ def _plain(gm: fx.GraphModule, mixes: list[fx.Node]) -> dict[str, int]:
     running = None
     adds = 0
     for node in mixes:
-        sources, site = node.args
+        (sources,) = node.args
         with gm.graph.inserting_before(node):
             if running is None:
                 running = _sum(gm.graph, list(sources))
@@ -42,17 +40,23 @@ def _plain(gm: fx.GraphModule, mixes: list[fx.Node]) -> dict[str, int]:
                 adds += 1
         node.replace_all_uses_with(running)
         gm.graph.erase_node(node)
+        _drop(gm, node.target)
     return {"sites": len(mixes), "adds": adds, "attn_res_modules": 0}
 
 
+def _drop(gm: fx.GraphModule, path: str) -> None:
+    """Remove a wired site's module from the graph's tree (a plain site holds no tensors)."""
+    owner, _, leaf = path.rpartition(".")
+    delattr(gm.get_submodule(owner) if owner else gm, leaf)
+
+
 def _attention(gm: fx.GraphModule, mixes: list[fx.Node], ctx: PassContext) -> dict[str, int]:
-    spec = ctx.spec
-    r = spec.residual
-    device = next(gm.parameters()).device
+    r = ctx.spec.residual
     sums: dict[tuple[int, ...], fx.Node] = {}
     adds = 0
     for node in mixes:
-        sources, site = node.args
+        (sources,) = node.args
+        site = gm.get_submodule(node.target).site
         with gm.graph.inserting_before(node):
             stacked = []
             for src in source_plan(site, r.mode, r.block_size):
@@ -70,16 +74,12 @@ def _attention(gm: fx.GraphModule, mixes: list[fx.Node], ctx: PassContext) -> di
                         adds += len(key) - 1
                 stacked.append(sums[key])
             stack = gm.graph.call_function(torch.stack, (stacked,))
-        with torch.device(device):
-            module = AttnRes(spec.hidden_size, spec.norm_eps)
-        path = site_path(site, spec.num_layers)
-        init_parameters(module, spec, path)
-        inline_module(gm, node, module, path, stack)
+        inline_call(gm, node, gm.get_submodule(node.target), node.target, (stack,), {}, method="mix")
     return {"sites": len(mixes), "adds": adds, "attn_res_modules": len(mixes)}
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
-    mixes = [n for n in gm.graph.nodes if n.op == "call_function" and n.target is DEPTH_MIX]
+    mixes = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), DEPTH_SITES)]
     if ctx.spec.residual.kind == "plain":
         return _plain(gm, mixes)
     return _attention(gm, mixes, ctx)
@@ -88,7 +88,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
 PASS = GraphPass(
     name="attn_res",
     summary="wire plain residuals or block/full attention residuals in place of the generic depth mixes",
-    preserves_numerics=False,
+    preserves_numerics=True,
     statistics=("sites", "adds", "attn_res_modules"),
     run=run,
 )

@@ -2,7 +2,8 @@
 
 Inference build: each selected weight becomes packed MX data plus E8M0 scales
 (buffers `<weight>_mx` and `<weight>_scale`); a linear on it becomes `k3::mx_linear`,
-other matmuls read `k3::mx_dequantize`. Training build with QAT: the weight is
+other matmuls read `k3::mx_dequantize` (the decode graph's expert gathers gather the packed
+data and scales first, so only the picked experts are dequantised). Training build with QAT: the weight is
 read through `k3::mx_fake_quantize` (straight-through). In both, a matmul input
 whose policy format is MX goes through `k3::mx_fake_quantize` along its last dim,
 so the two builds compute the same numbers.
@@ -34,10 +35,17 @@ def _formats(ctx: PassContext) -> dict[str, tuple[str, str]]:
     return {w.name: (w.format, activation_format(ctx.spec, w.module)) for w in weight_inventory(ctx.spec)}
 
 
+def _is_gather(node: fx.Node) -> bool:
+    """routing's decode-graph gather of the experts each token picked."""
+    return "expert_gather" in node.meta
+
+
 def _readers(value: fx.Node):
-    """(user, the node it reads) for each use of `value`, looking through rank-major views and dtype casts."""
+    """(user, the node it reads) for each use of `value`, looking through rank-major views, dtype casts
+    and expert gathers."""
     for user in value.users:
         view = user.op == "call_function" and user.target in VIEWS or user.op == "call_method" and user.target in CASTS
+        view = view or _is_gather(user)
         if view and user.args[0] is value:
             yield from _readers(user)
         else:
@@ -115,6 +123,13 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
                     new = gm.graph.call_function(K3.mx_linear.default, (mm.args[0], d, s, element, block, None))
                 mm.replace_all_uses_with(new)
                 gm.graph.erase_node(mm)
+        for gather in [u for u in node.users if _is_gather(u)]:  # dequantise only the gathered experts
+            index = gather.args[2]
+            with gm.graph.inserting_before(gather):
+                picked = [gm.graph.call_function(torch.index_select, (t, 0, index)) for t in (d, s)]
+                deq = gm.graph.call_function(K3.mx_dequantize.default, (*picked, element, block, w.dtype))
+            gather.replace_all_uses_with(deq)
+            gm.graph.erase_node(gather)
         if node.users:  # matmuls that read the weight itself (stacked experts) get the dequantised tensor
             with gm.graph.inserting_before(node):
                 deq = gm.graph.call_function(K3.mx_dequantize.default, (d, s, element, block, w.dtype))

@@ -4,14 +4,21 @@ Training keeps the spec's fixed per-expert capacity (static shapes, dropped
 tokens counted) and the balancing statistics the trainer reads after each step.
 Inference dispatches drop-free (capacity = tokens), so a served model never skips
 an expert a token chose, and drops the statistics (their buffers stay, unused).
+The decode graph computes only the experts each token picked: every (token, choice)
+row runs its own expert, whose stacked weights are gathered by the routing indices
+(`index_select` nodes marked `expert_gather`, which pack_mxfp4 turns into gathers of
+the packed data and scales), and the rows combine with the routing weights.
 """
 
 from __future__ import annotations
+
+import operator
 
 import torch
 from torch import fx
 
 from k3compile.ir.pass_manager import GraphPass, PassContext
+from k3compile.passes.shard_experts import expert_region
 
 DENSE = 0.0  # moe_dispatch's capacity_factor <= 0 means capacity = tokens
 STATISTICS = (".router.load", ".router.dropped", ".router.qb_bias", ".router.qb_counts", ".router.aux_loss")
@@ -24,8 +31,50 @@ def _is_statistic_update(node: fx.Node) -> bool:
     return isinstance(dest, fx.Node) and dest.op == "get_attr" and dest.target.endswith(STATISTICS)
 
 
+def _leading(node) -> int | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() >= 1 else None
+
+
+def _through_views(node: fx.Node) -> tuple[fx.Node, list[fx.Node]]:
+    """(the stacked tensor, the transposes applied to it in order) behind an expert matmul's operand."""
+    views = []
+    while node.op == "call_method" and node.target == "transpose":
+        views.append(node)
+        node = node.args[0]
+    return node, views[::-1]
+
+
+def _gather_experts(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, top_k: int) -> None:
+    """Rewrite dispatch -> experts [E, C, w] -> combine into experts run on gathered weights, one row per choice."""
+    g = gm.graph
+    h, indices, num_experts, _ = dispatch.args
+    buffer = next(u for u in dispatch.users if u.target is operator.getitem and u.args[1] == 0)
+    region = expert_region(buffer, combine.args[0])
+    inputs = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in region and a is not buffer)
+    with g.inserting_before(region[0]):
+        flat = g.call_method("flatten", (indices,))
+        rows = g.call_method("unsqueeze", (g.call_method("repeat_interleave", (h, top_k), {"dim": 0}), 1))
+        slots = g.call_method("view_as", (g.call_function(torch.arange, (g.call_method("numel", (indices,)),),
+                                                          {"device": g.call_function(getattr, (indices, "device"))}),
+                                          indices))  # fmt: skip
+    for w in (a for a in inputs if _leading(a) == num_experts):
+        users = [u for u in w.users if u in region]
+        source, views = _through_views(w)
+        with g.inserting_before(users[0]):
+            gathered = g.call_function(torch.index_select, (source, 0, flat))
+            gathered.meta["expert_gather"] = "the experts each token picked"
+            for v in views:  # the weight's views (its transpose) re-applied to the gathered experts
+                gathered = g.call_method(v.target, (gathered, *v.args[1:]), dict(v.kwargs))
+        for u in users:
+            u.replace_input_with(w, gathered)
+    for u in [u for u in buffer.users if u in region]:
+        u.replace_input_with(buffer, rows)
+    combine.update_arg(2, slots)
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
-    stats = {"dispatches": 0, "drop_free": 0, "statistics_removed": 0}
+    stats = {"dispatches": 0, "drop_free": 0, "statistics_removed": 0, "gathered": 0}
     if ctx.mode != "infer":
         stats["dispatches"] = sum(n.target is torch.ops.k3.moe_dispatch.default for n in gm.graph.nodes)
         return stats
@@ -45,14 +94,19 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
                 owner, _, leaf = dest.target.rpartition(".")
                 delattr(gm.get_submodule(owner), leaf)
             stats["statistics_removed"] += 1
+    if ctx.graph == "decode" and not gm.meta.get("expert_parallel"):
+        for combine in [n for n in gm.graph.nodes if n.target is torch.ops.k3.moe_combine.default]:
+            _gather_experts(gm, combine.args[2].args[0], combine, ctx.spec.moe.top_k)
+            stats["gathered"] += 1
     return stats
 
 
 PASS = GraphPass(
     name="routing",
-    summary="training: fixed expert capacity and balancing statistics; inference: drop-free, no statistics",
+    summary="training: fixed expert capacity and balancing statistics; inference: drop-free, no statistics; "
+    "decode: only the experts each token picked",
     preserves_numerics=False,
-    statistics=("dispatches", "drop_free", "statistics_removed"),
+    statistics=("dispatches", "drop_free", "statistics_removed", "gathered"),
     run=run,
     mode_dependent=True,
 )

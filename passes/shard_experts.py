@@ -23,7 +23,7 @@ def _is(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
 
 
-def _expert_region(buffer: fx.Node, expert_out: fx.Node) -> list[fx.Node]:
+def expert_region(buffer: fx.Node, expert_out: fx.Node) -> list[fx.Node]:
     """Nodes between the dispatched buffer and the expert outputs, in graph order."""
     down: set[fx.Node] = set()
     stack = [buffer]
@@ -52,7 +52,7 @@ def _shard(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, ep: int) -> 
     per_rank = num_experts // ep
     buffer = next(u for u in dispatch.users if _is(u, operator.getitem) and u.args[1] == 0)
     expert_out = combine.args[0]
-    region = _expert_region(buffer, expert_out)
+    region = expert_region(buffer, expert_out)
     inputs = {a for n in region for a in n.all_input_nodes if a not in region}
     by_rank = [a for a in inputs if a is buffer or _leading(a) == num_experts]
     for a in by_rank:

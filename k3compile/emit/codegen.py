@@ -91,6 +91,25 @@ def header(spec: Spec, passes: list[str], target: str, mode: str) -> str:
     )
 
 
+def _class(cls_name: str, base: str, doc: str, prefix: str, tables_gm: fx.GraphModule, packed: dict,
+           default_device: str, methods: list[str]) -> str:
+    tables = tensor_table(f"{prefix}_PARAMETERS", tables_gm, "parameters") + tensor_table(
+        f"{prefix}_BUFFERS", tables_gm, "buffers"
+    )
+    return (
+        f"{tables}\n\n"
+        f"class {cls_name}({base}):\n"
+        f'    """{doc}"""\n\n'
+        f"    SPEC_JSON = SPEC_JSON\n"
+        f"    PARAMETERS = {prefix}_PARAMETERS\n"
+        f"    BUFFERS = {prefix}_BUFFERS\n"
+        f"    PACKED = {packed!r}\n"
+        f"    DEFAULT_DEVICE = {default_device!r}\n\n"
+        + "\n\n".join(methods)
+        + "\n"
+    )
+
+
 def model_source(
     spec: Spec,
     passes: list[str],
@@ -99,39 +118,39 @@ def model_source(
     default_device: str,
     packed: dict[str, dict],
 ) -> str:
-    """The text of model.py: `Model` from the training graph, `InferenceModel` from the inference graph."""
+    """The text of model.py: `Model` from the train graph, `InferenceModel` from the prefill and decode graphs."""
     imports: set[str] = set()
     classes = []
-    for mode, cls_name, base in (("train", "Model", "TrainingModule"), ("infer", "InferenceModel", "InferenceModule")):
-        gm = graphs.get(mode)
-        if gm is None:
-            continue
-        body, imps = graph_method(gm, "graph")
+    if "train" in graphs:
+        body, imps = graph_method(graphs["train"], "graph")
         imports.update(imps)
-        prefix = mode.upper()
-        tables = tensor_table(f"{prefix}_PARAMETERS", gm, "parameters") + tensor_table(
-            f"{prefix}_BUFFERS", gm, "buffers"
-        )
-        doc = (
-            "Training module: forward(tokens, labels=None) -> logits, or the mean next-token loss."
-            if mode == "train"
-            else "Inference module: forward(tokens) -> logits; prefill/decode with KDA state and MLA latent cache."
-        )
-        classes.append(
-            f"{tables}\n\n"
-            f"class {cls_name}({base}):\n"
-            f'    """{doc}"""\n\n'
-            f"    SPEC_JSON = SPEC_JSON\n"
-            f"    PARAMETERS = {prefix}_PARAMETERS\n"
-            f"    BUFFERS = {prefix}_BUFFERS\n"
-            f"    PACKED = {packed.get(mode, {})!r}\n"
-            f"    DEFAULT_DEVICE = {default_device!r}\n\n"
-            f"{body}\n"
-        )
-    lines = [header(spec, passes, target, "+".join(graphs)), '"""The model, generated from its bound graph."""', ""]
+        doc = "Training module: forward(tokens, labels=None) -> logits, or the mean next-token loss."
+        classes.append(_class("Model", "TrainingModule", doc, "TRAIN", graphs["train"], packed["train"],
+                              default_device, [body]))  # fmt: skip
+    if "prefill" in graphs:
+        _check_same_tensors(graphs["prefill"], graphs["decode"])
+        methods = []
+        for graph in ("prefill", "decode"):
+            body, imps = graph_method(graphs[graph], f"{graph}_graph")
+            imports.update(imps)
+            methods.append(body)
+        doc = "Inference module: prefill(tokens) and decode(tokens, cache) through the compiled graphs; forward(tokens) -> logits."
+        classes.append(_class("InferenceModel", "InferenceModule", doc, "INFER", graphs["prefill"], packed["prefill"],
+                              default_device, methods))  # fmt: skip
+    lines = [header(spec, passes, target, "+".join(graphs)), '"""The model, generated from its bound graphs."""', ""]
     lines += sorted(i for i in imports if i.startswith("import"))
     lines += sorted(i for i in imports if not i.startswith("import"))
     lines += ["", "import k3compile.ops  # registers the torch.ops.k3 operators", ""]
     lines += ["from k3compile.runtime.generated import InferenceModule, TrainingModule", ""]
     lines += [f"SPEC_JSON = {spec_json(spec)!r}", f"TARGET = {target!r}  # the kernels' target (see bind_kernels)", "", ""]
     return "\n".join(lines) + "\n\n".join(classes)
+
+
+def _check_same_tensors(a: fx.GraphModule, b: fx.GraphModule) -> None:
+    """The prefill and decode graphs read one set of weights (one InferenceModel holds both)."""
+    def names(gm):
+        return sorted(n for n, _ in gm.named_parameters()) + sorted(n for n, _ in gm.named_buffers())
+
+    if names(a) != names(b):
+        only = sorted(set(names(a)) ^ set(names(b)))
+        raise ValueError(f"prefill and decode graphs hold different tensors: {', '.join(only[:5])}")

@@ -1,21 +1,35 @@
-"""Inlining a module's traced graph in place of a node: how passes turn generic ops into layers."""
+"""Inlining a module's traced graph in place of a node: how passes turn kept submodule calls into ops."""
 
 from __future__ import annotations
 
-from torch import Tensor, fx, nn
+import operator
+
+from torch import fx, nn
+from torch.utils import _pytree as pytree
 
 
-class _FirstOutput(nn.Module):
-    """Calls the wrapped module with fixed keyword arguments and keeps its first output (mixers return (y, state))."""
+class _Call(nn.Module):
+    """Calls `m.<method>` on the tensors of a fixed argument structure and returns its outputs flattened."""
 
-    def __init__(self, m: nn.Module, kwargs: dict):
+    def __init__(self, m: nn.Module, method: str, spec: pytree.TreeSpec, constants: dict[int, object]):
         super().__init__()
-        self.m = m
-        self.kwargs = kwargs
+        self.m, self.method, self.spec, self.constants = m, method, spec, constants
+        self.out_spec: pytree.TreeSpec | None = None  # the output's structure, known once traced
 
-    def forward(self, x: Tensor) -> Tensor:
-        out = self.m(x, **self.kwargs)
-        return out[0] if isinstance(out, tuple) else out
+    def call_flat(self, tensors: tuple):
+        it = iter(tensors)
+        leaves = [self.constants[i] if i in self.constants else next(it) for i in range(self.spec.num_leaves)]
+        args, kwargs = pytree.tree_unflatten(leaves, self.spec)
+        out, self.out_spec = pytree.tree_flatten(getattr(self.m, self.method)(*args, **kwargs))
+        return tuple(out)
+
+
+def _with_arity(n: int) -> type:
+    """A _Call subclass whose forward takes exactly n tensors (fx gives *args a single placeholder)."""
+    names = ", ".join(f"a{i}" for i in range(n))
+    namespace: dict = {}
+    exec(f"def forward(self, {names}):\n    return self.call_flat(({names}{',' if n == 1 else ''}))\n", namespace)
+    return type(f"_Call{n}", (_Call,), {"forward": namespace["forward"]})
 
 
 def attach(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
@@ -29,24 +43,61 @@ def attach(gm: fx.GraphModule, path: str, module: nn.Module) -> None:
     parent.add_module(leaf, module)
 
 
-def inline_module(
-    gm: fx.GraphModule, node: fx.Node, module: nn.Module, path: str, x: fx.Node, **kwargs
-) -> fx.Node:
-    """Replace `node` by the ops of `module(x, **kwargs)`; the module's parameters live at `path`."""
-    from k3compile.ir.lower import FlatTracer  # lower imports the modules; keep this file light
+def holder(module: nn.Module) -> nn.Module:
+    """A plain module tree holding `module`'s own tensors: what a graph owns once the module is inlined.
 
-    sub = FlatTracer().trace(_FirstOutput(module, kwargs))
-    attach(gm, path, module)
-    (placeholder,) = [n for n in sub.nodes if n.op == "placeholder"]
-    val_map: dict[fx.Node, fx.Node] = {placeholder: x}
+    Passes may add or delete attributes on it without touching the model definition or other graphs.
+    """
+    h = nn.Module()
+    for name, child in module.named_children():
+        h.add_module(name, holder(child))
+    for name, p in module._parameters.items():
+        if p is not None:
+            h.register_parameter(name, p)
+    for name, b in module._buffers.items():
+        if b is not None:
+            h.register_buffer(name, b, persistent=name not in module._non_persistent_buffers_set)
+    return h
+
+
+def _replace_uses(node: fx.Node, value, graph: fx.Graph) -> None:
+    """Point every use of `node` at `value`, following getitem chains into a structured value."""
+    if isinstance(value, fx.Node):
+        node.replace_all_uses_with(value)
+        return
+    for user in list(node.users):
+        if user.op == "call_function" and user.target is operator.getitem and user.args[0] is node:
+            _replace_uses(user, value[user.args[1]], graph)
+            graph.erase_node(user)
+    if node.users:
+        raise ValueError(f"{node.name}: a structured output is used other than by indexing")
+
+
+def inline_call(
+    gm: fx.GraphModule, node: fx.Node, module: nn.Module, path: str, args: tuple, kwargs: dict, method: str = "forward"
+) -> None:
+    """Replace `node` by the ops of `module.<method>(*args, **kwargs)`; the module's parameters live at `path`.
+
+    `args`/`kwargs` may hold graph nodes anywhere in their structure (lists, NamedTuples, dicts); the
+    node's uses (getitem chains on a tuple output) are pointed at the matching inlined values.
+    """
+    from k3compile.ir.lower import FlatTracer  # lower imports the model; keep this file light
+
+    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, fx.Node)}
+    inputs = [v for v in leaves if isinstance(v, fx.Node)]
+    call = _with_arity(len(inputs))(module, method, spec, constants)
+    sub = FlatTracer().trace(call)
+    attach(gm, path, holder(module))
+    placeholders = [n for n in sub.nodes if n.op == "placeholder"]
+    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs))
     with gm.graph.inserting_before(node):
-        out = gm.graph.graph_copy(sub, val_map)
+        flat = gm.graph.graph_copy(sub, val_map)
     for old, new in val_map.items():
         if old.op == "get_attr":
             new.target = f"{path}.{old.target.removeprefix('m.')}"
             new._rename(new.target.replace(".", "_"))  # readable generated code: layers_3_attn_q_proj_weight
         if old.op != "placeholder":
             new.meta["origin"] = path
-    node.replace_all_uses_with(out)
+    _replace_uses(node, pytree.tree_unflatten(list(flat), call.out_spec), gm.graph)
     gm.graph.erase_node(node)
-    return out

@@ -1,10 +1,10 @@
-"""Lowering: Spec -> torch.fx.GraphModule over k3 ops, with readable parameter names.
+"""Lowering: the model definition -> one torch.fx.GraphModule per graph kind (train, prefill, decode).
 
-Lowering emits the skeleton every K3-class model shares: embedding, per layer a
-generic token mixer and an FFN (dense MLP or LatentMoE) each behind a pre-norm,
-generic depth mixes in front of every sublayer, the final norm and head. The
-passes then decide what is generic (interleave: KDA or MLA; attn_res: how depth
-is mixed). Full-size specs lower on the meta device with no weight memory.
+The tracer runs `K3Model`'s entry point for the graph and records every op, except two kinds of
+submodule it keeps as calls: each layer's token mixer and each depth site (see
+k3compile.modules.model). The passes decide what those become (interleave: KDA or MLA in the graph's
+form; attn_res: plain or attention residuals), so a lowered graph is the skeleton every K3-class model
+shares. Full-size specs lower on the meta device with no weight memory.
 """
 
 from __future__ import annotations
@@ -12,18 +12,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
-from torch import Tensor, fx, nn
+from torch import fx, nn
 
-from k3compile.ir.generic_ops import DEPTH_MIX, TOKEN_MIXER
-from k3compile.ir.init import init_parameters
 from k3compile.ir.verify import eliminate_dead_code
-from k3compile.modules.mlp import MLP
-from k3compile.modules.moe import LatentMoE
-from k3compile.modules.norms import RMSNorm
+from k3compile.modules.kda import KDAMixer, KDAState
+from k3compile.modules.mla import MLAMixer
+from k3compile.modules.model import DEPTH_SITES, GRAPHS, K3Model, empty_caches
 from k3compile.spec.schema import Spec
 
 EXAMPLE_BATCH, EXAMPLE_TOKENS = 2, 8  # shapes used to verify graphs with fake tensors
+EXAMPLE_CACHE_LEN = 2 * EXAMPLE_TOKENS  # the example caches' MLA length: room for prefill and decode
+MIXERS = (KDAMixer, MLAMixer)
+ENTRY = {"train": "forward", "prefill": "prefill", "decode": "decode"}
 
 
 class FlatTracer(fx.Tracer):
@@ -33,93 +33,39 @@ class FlatTracer(fx.Tracer):
         return False
 
 
-class TokenMixerSlot(nn.Module):
-    """Placeholder for a layer's attention until the interleave pass resolves it."""
+class LowerTracer(FlatTracer):
+    """Keeps token mixers and depth sites as `call_module` nodes whose outputs have the module's structure.
 
-    def __init__(self, layer: int):
+    A parameter-to-name map is built once, so finding a parameter's name is not a scan of the model.
+    """
+
+    def __init__(self, root: nn.Module):
         super().__init__()
-        self.layer = layer
+        self._names = {id(p): n for n, p in root.named_parameters()}
 
-    def forward(self, x: Tensor) -> Tensor:
-        return TOKEN_MIXER(x, self.layer)
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, MIXERS + DEPTH_SITES)
 
+    def getattr(self, attr, attr_val, parameter_proxy_cache):
+        name = self._names.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
+        if name is None:
+            return super().getattr(attr, attr_val, parameter_proxy_cache)
+        if name not in parameter_proxy_cache:
+            parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
+        return parameter_proxy_cache[name]
 
-def make_ffn(spec: Spec, layer: int) -> nn.Module:
-    """The FFN of one layer: LatentMoE on MoE layers, a dense MLP elsewhere."""
-    a = spec.activation
-    if not spec.is_moe_layer(layer):
-        return MLP(spec.hidden_size, spec.dense_ffn.intermediate_size, a.kind, a.beta1, a.beta2)
-    m = spec.moe
-    r = m.router
-    return LatentMoE(
-        hidden_size=spec.hidden_size,
-        num_experts=m.num_experts,
-        top_k=m.top_k,
-        expert_intermediate_size=m.expert_intermediate_size,
-        num_shared_experts=m.num_shared_experts,
-        shared_intermediate_size=m.shared_intermediate_size,
-        latent_size=m.latent_size,
-        latent_norm=m.latent_norm,
-        activation=a.kind,
-        beta1=a.beta1,
-        beta2=a.beta2,
-        scoring=r.scoring,
-        routed_scaling=r.routed_scaling,
-        renormalize=r.renormalize,
-        balancing=r.balancing,
-        histogram_bins=r.histogram_bins,
-        capacity_factor=m.capacity_factor,
-        norm_eps=spec.norm_eps,
-        bias_update_rate=r.bias_update_rate,
-        aux_loss_coef=r.aux_loss_coef,
-    )
-
-
-class Layer(nn.Module):
-    def __init__(self, spec: Spec, i: int):
-        super().__init__()
-        self.attn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        self.attn = TokenMixerSlot(i)
-        self.ffn_norm = RMSNorm(spec.hidden_size, spec.norm_eps)
-        ffn = make_ffn(spec, i)
-        if spec.is_moe_layer(i):
-            self.moe = ffn
-        else:
-            self.ffn = ffn
-
-    @property
-    def mlp(self) -> nn.Module:
-        return self.moe if hasattr(self, "moe") else self.ffn
-
-
-class Skeleton(nn.Module):
-    """The generic model: what lowering traces."""
-
-    def __init__(self, spec: Spec):
-        super().__init__()
-        d = spec.hidden_size
-        self.embed = nn.Embedding(spec.vocab_size, d)
-        self.layers = nn.ModuleList(Layer(spec, i) for i in range(spec.num_layers))
-        self.final_norm = RMSNorm(d, spec.norm_eps)
-        if not spec.tie_embeddings:
-            self.lm_head = nn.Linear(d, spec.vocab_size, bias=False)
-        self.tied = spec.tie_embeddings
-
-    def forward(self, tokens):  # unannotated: the emitted code needs no typing imports
-        outputs = [F.embedding(tokens, self.embed.weight)]
-        for i, layer in enumerate(self.layers):
-            h = DEPTH_MIX(list(outputs), 2 * i)
-            outputs.append(layer.attn(layer.attn_norm(h)))
-            h = DEPTH_MIX(list(outputs), 2 * i + 1)
-            outputs.append(layer.mlp(layer.ffn_norm(h)))
-        h = self.final_norm(DEPTH_MIX(list(outputs), 2 * len(self.layers)))
-        return F.linear(h, self.embed.weight if self.tied else self.lm_head.weight)
+    def call_module(self, m, forward, args, kwargs):
+        out = super().call_module(m, forward, args, kwargs)
+        if isinstance(m, MIXERS):  # (y, state): KDAState for KDA, the latent cache for MLA
+            state = KDAState(*(out[1][j] for j in range(len(KDAState._fields)))) if isinstance(m, KDAMixer) else out[1]
+            return out[0], state
+        return out
 
 
 @dataclass
 class Lowered:
     gm: fx.GraphModule
-    example_inputs: tuple  # token ids on the graph's device, for verification and numerics
+    example_inputs: tuple  # the graph's inputs on its device, for verification and numerics
 
 
 def example_tokens(spec: Spec, device: torch.device | str, batch: int = EXAMPLE_BATCH, tokens: int = EXAMPLE_TOKENS):
@@ -128,17 +74,38 @@ def example_tokens(spec: Spec, device: torch.device | str, batch: int = EXAMPLE_
     return ids.to(device)
 
 
-def lower(spec: Spec, device: torch.device | str = "meta") -> Lowered:
-    """Trace the skeleton of `spec`; real devices get initialised weights (see k3compile.ir.init)."""
+def example_inputs(spec: Spec, graph: str, device: torch.device | str) -> tuple:
+    """Inputs that exercise `graph`: tokens, then for prefill empty caches, for decode positions and caches."""
+    if graph == "train":
+        return (example_tokens(spec, device),)
+    caches = empty_caches(spec, EXAMPLE_BATCH, EXAMPLE_CACHE_LEN, device)
+    if graph == "prefill":
+        return (example_tokens(spec, device), caches)
+    positions = torch.arange(EXAMPLE_BATCH, device=device) + EXAMPLE_TOKENS  # sequences of different lengths
+    return (example_tokens(spec, device, tokens=1), positions, caches)
+
+
+def build_model(spec: Spec, device: torch.device | str = "meta") -> K3Model:
+    """The model definition on `device`; off the meta device its weights are initialised (k3compile.modules.init)."""
     with torch.device(device):
-        root = Skeleton(spec)
-    init_parameters(root, spec)
-    graph = FlatTracer().trace(root)
-    gm = fx.GraphModule(root, graph, class_name=_class_name(spec))
+        return K3Model(spec, init=torch.device(device).type != "meta")
+
+
+def lower(spec: Spec, device: torch.device | str = "meta", graph: str = "train", model: K3Model | None = None) -> Lowered:
+    """Trace `graph` of the model definition (built on `device`, or the given `model`, whose weights it shares)."""
+    if graph not in GRAPHS:
+        raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")
+    root = model if model is not None else build_model(spec, device)
+    tracer = LowerTracer(root)
+    tracer.traced_func_name = ENTRY[graph]
+    traced = tracer.trace(root)
+    gm = fx.GraphModule(root, traced, class_name=_class_name(spec))
     eliminate_dead_code(gm)  # tuple outputs a configuration leaves unread (router scores without QB)
     gm.recompile()
     _keep_buffer_persistence(root, gm)
-    return Lowered(gm, (example_tokens(spec, device),))
+    gm.meta["graph"] = graph
+    device = next(root.parameters()).device
+    return Lowered(gm, example_inputs(spec, graph, device))
 
 
 def _keep_buffer_persistence(root: nn.Module, gm: fx.GraphModule) -> None:

@@ -28,6 +28,11 @@ class PassContext:
     spec: Spec
     mode: str = "train"  # "train" or "infer"
     target: str = "cpu"
+    graph: str = ""  # "train", "prefill" or "decode"; default: the train graph or, in infer mode, prefill
+
+    def __post_init__(self):
+        if not self.graph:
+            object.__setattr__(self, "graph", "train" if self.mode == "train" else "prefill")
 
 
 @dataclass(frozen=True)

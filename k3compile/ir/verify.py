@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from torch.utils import _pytree as pytree
 from torch import fx
 
 
@@ -69,7 +70,7 @@ def verify_graph(gm: fx.GraphModule, example_inputs: tuple) -> None:
     for n in gm.graph.nodes:
         if n.op == "get_attr" and not _has_attr(gm, n.target):
             raise GraphVerificationError(f"node {n.name} reads missing attribute {n.target}")
-    meta_inputs = [x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs]
+    meta_inputs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), list(example_inputs))
     try:
         with torch.no_grad():
             MetaShapeProp(gm).run(*meta_inputs)

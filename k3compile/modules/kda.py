@@ -133,7 +133,7 @@ class KDAMixer(nn.Module):
         beta = torch.sigmoid(self.b_proj(x_BTD).float())
         recurrent = None if state is None else state.recurrent
         if mode == "decode":
-            if T != 1:
+            if isinstance(T, int) and T != 1:  # (under fx tracing T is symbolic)
                 raise ValueError(f"mode 'decode' takes one token at a time, got T={T}")
             if recurrent is None:
                 recurrent = x_BTD.new_zeros(B, H, K, K, dtype=torch.float32)

@@ -21,7 +21,10 @@ class MLAMixer(nn.Module):
     tokens at [start_pos, start_pos + T): into the cache if it is long enough (preallocated),
     else by cutting it at start_pos and appending. It returns the updated cache.
     With start_pos == 0 the whole sequence attends in the expanded form (keys/values per head);
-    with start_pos > 0 (decoding, chunked prefill) the absorbed form attends over the latent.
+    with start_pos > 0 (chunked prefill) the absorbed form attends over the latent.
+    forward(x, cache, positions=p) is the static decode step: one token per sequence, written in
+    place at row p[b] of the preallocated cache, attending over rows 0..p[b] (absorbed form); shapes
+    never change from one step to the next and nothing reads p on the host.
     """
 
     def __init__(
@@ -65,8 +68,12 @@ class MLAMixer(nn.Module):
         """Values cached per token for this layer: kv_lora_rank + qk_rope_head_dim (K3: 512 + 64 = 576)."""
         return self.kv_lora_rank + self.rope_dim
 
-    def forward(self, x_BTD: Tensor, cache: Tensor | None = None, start_pos: int = 0) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, x_BTD: Tensor, cache: Tensor | None = None, start_pos: int = 0, positions: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
         B, T, _ = x_BTD.shape
+        if positions is not None and self.rope:
+            raise ValueError("mla.rope: the static decode step (positions=) supports NoPE MLA only")
         H, N, L = self.num_heads, self.nope_dim, self.kv_lora_rank
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD)))
@@ -78,16 +85,36 @@ class MLAMixer(nn.Module):
             q_BTHK = torch.cat([q_BTHK[..., :N], mla_rope(q_BTHK[..., N:], start_pos, self.rope_theta)], dim=-1)
             k_pe = mla_rope(k_pe, start_pos, self.rope_theta)
         latent_BTC = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)
-        cache, ctx_BSC = _write_cache(cache, latent_BTC, start_pos)
+        if positions is not None:
+            cache = _write_rows(cache, latent_BTC, positions)
+            o_BTHV = mla_decode_absorbed(q_BTHK, cache, self.kv_b_proj.weight, self.scale, positions + 1)
+            return self._output(o_BTHV, x_BTD), cache
+        if cache is not None and start_pos == 0:  # prefill into a preallocated cache (traceable: no shape checks)
+            cache = cache.slice_scatter(latent_BTC.to(cache.dtype), dim=1, start=0, end=T)
+            ctx_BSC = latent_BTC
+        else:
+            cache, ctx_BSC = _write_cache(cache, latent_BTC, start_pos)
         if start_pos == 0:
             kv = self.kv_b_proj(ctx_BSC[..., :L]).reshape(B, -1, H, N + self.v_dim)
             o_BTHV = mla_attention(q_BTHK, kv[..., :N], ctx_BSC[..., L:], kv[..., N:], self.scale)
         else:
             o_BTHV = mla_decode_absorbed(q_BTHK, ctx_BSC, self.kv_b_proj.weight, self.scale)
-        o = o_BTHV.reshape(B, T, H * self.v_dim)
+        return self._output(o_BTHV, x_BTD), cache
+
+    def _output(self, o_BTHV: Tensor, x_BTD: Tensor) -> Tensor:
+        o = o_BTHV.flatten(2)
         if self.output_gate:
             o = o * torch.sigmoid(self.g_proj(x_BTD))
-        return self.o_proj(o), cache
+        return self.o_proj(o)
+
+
+def _write_rows(cache_BSC: Tensor, latent_B1C: Tensor, positions_B: Tensor) -> Tensor:
+    """Write each sequence's one new latent at its own row, in place (static shapes, no host sync)."""
+    T = latent_B1C.shape[1]
+    if isinstance(T, int) and T != 1:  # (under fx tracing T is symbolic)
+        raise ValueError(f"the decode step takes one token per sequence, got T={T}")
+    index = positions_B.view(-1, 1, 1).expand(-1, 1, cache_BSC.shape[-1])
+    return cache_BSC.scatter_(1, index, latent_B1C.to(cache_BSC.dtype))
 
 
 def _write_cache(cache: Tensor | None, latent_BTC: Tensor, start_pos: int) -> tuple[Tensor, Tensor]:

@@ -19,7 +19,7 @@ def mla_attention_op(q_BTHK: Tensor, k_nope_BSHN: Tensor, k_pe_BSR: Tensor, v_BS
     return ref.mla_attention_ref(q_BTHK, k_nope_BSHN, k_pe_BSR, v_BSHV, scale)
 
 
-def _absorbed_fake(q_BTHK, latent_BSC, w_kvb, scale):
+def _absorbed_fake(q_BTHK, latent_BSC, w_kvb, scale, lengths_B=None):
     B, T, H, K = q_BTHK.shape
     L = w_kvb.shape[1]
     N = K - (latent_BSC.shape[-1] - L)
@@ -27,8 +27,10 @@ def _absorbed_fake(q_BTHK, latent_BSC, w_kvb, scale):
 
 
 @k3_op("mla_decode_absorbed", fake=_absorbed_fake, differentiable=("q_BTHK", "latent_BSC", "w_kvb"))
-def mla_decode_absorbed_op(q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float) -> Tensor:
-    return ref.mla_decode_absorbed_ref(q_BTHK, latent_BSC, w_kvb, scale)
+def mla_decode_absorbed_op(
+    q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float, lengths_B: Tensor | None = None
+) -> Tensor:
+    return ref.mla_decode_absorbed_ref(q_BTHK, latent_BSC, w_kvb, scale, lengths_B)
 
 
 @k3_op("mla_rope", fake=lambda x, start_pos, theta: torch.empty_like(x), differentiable=("x",))
@@ -44,10 +46,19 @@ def mla_attention(
 
 
 def mla_decode_absorbed(
-    q_BTHK: Tensor, latent_BSC: Tensor, w_kvb: Tensor, scale: float, *, backend: str = "auto"
+    q_BTHK: Tensor,
+    latent_BSC: Tensor,
+    w_kvb: Tensor,
+    scale: float,
+    lengths_B: Tensor | None = None,
+    *,
+    backend: str = "auto",
 ) -> Tensor:
-    """Causal MLA attention over the latent cache [c_kv, k_pe], kv_b_proj absorbed into q and o."""
-    return torch.ops.k3.mla_decode_absorbed.default(q_BTHK, latent_BSC, w_kvb, scale, backend=backend)
+    """Causal MLA attention over the latent cache [c_kv, k_pe], kv_b_proj absorbed into q and o.
+
+    lengths_B: valid cache rows per sequence (a preallocated cache); None means all S rows.
+    """
+    return torch.ops.k3.mla_decode_absorbed.default(q_BTHK, latent_BSC, w_kvb, scale, lengths_B, backend=backend)
 
 
 def mla_rope(x: Tensor, start_pos: int, theta: float, *, backend: str = "auto") -> Tensor:

@@ -1,11 +1,11 @@
-"""Text generation from a build: byte-level tokens, chunked prefill, then token-by-token decoding.
+"""Text generation from a build: byte-level tokens, a compiled prefill, then compiled decode steps.
 
 `load_inference_model(build, checkpoint)` turns a training checkpoint into the build's
-InferenceModel (packing the MX weights); `load_decoder` also serves train-only builds.
-`generate_tokens` runs the Decoder: the prompt is prefilled in chunks (KDA chunked form,
-MLA latents written to the cache), then each new token is one recurrent step through the
-fp32 KDA state, the short-conv tails and the MLA latent cache. `stream_text` turns bytes
-into text as soon as they form valid UTF-8.
+InferenceModel (packing the MX weights). `generate_tokens` serves through its compiled graphs:
+the prefill graph runs the prompt (KDA chunked form, MLA latents written to the preallocated
+cache), then each new token is one step of the decode graph through the fp32 KDA state, the
+short-conv tails and the MLA latent cache. `generate_batch` decodes prompts of different lengths
+together. `stream_text` turns bytes into text as soon as they form valid UTF-8.
 """
 
 from __future__ import annotations
@@ -19,10 +19,9 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from k3compile.runtime.decoder import DecodeCache, Decoder
+from k3compile.runtime.generated import DecodeCache
 from k3compile.spec.schema import Spec
 
-PREFILL_CHUNK = 512  # prompt tokens per prefill call: bounds the MLA score matrix at long prompts
 BYTE_VOCAB = 256
 
 
@@ -158,37 +157,6 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
     return model.eval()
 
 
-@torch.no_grad()
-def load_decoder(build: str | Path | ModuleType, checkpoint: str | Path | None = None) -> Decoder:
-    """A Decoder for any build: through its InferenceModel when it has one, else from the training Model.
-
-    For a train-only build the weights the policy stores in MX are quantised and dequantised,
-    which is what an inference build's packing would give.
-    """
-    module = load_build(build)
-    if hasattr(module, "InferenceModel"):
-        return load_inference_model(module, checkpoint).decoder
-    from k3compile.analysis.formats import ELEMENT_OF_POLICY, is_mx
-    from k3compile.ops.mx import mx_dequantize, mx_quantize
-    from k3compile.spec.weights import weight_inventory
-
-    model = module.Model(device="meta" if checkpoint is not None else None)
-    if checkpoint is None:
-        state = model.state_dict()
-    else:
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        state = read_training_state(checkpoint, shapes, model.spec)
-    spec = model.spec
-    block = spec.quantization.block_size
-    for w in weight_inventory(spec):
-        if w.matmul and is_mx(w.format):
-            fmt = ELEMENT_OF_POLICY[w.format]
-            state[w.name] = mx_dequantize(*mx_quantize(state[w.name].float(), fmt, block), fmt, block)
-    decoder = Decoder(spec)
-    decoder.load_state_dict(state, strict=True)
-    return decoder.eval()
-
-
 # ---------------------------------------------------------------- tokens and sampling
 
 
@@ -240,50 +208,62 @@ def sample_next(logits_V: Tensor, temperature: float, top_p: float, generator: t
 # ---------------------------------------------------------------- the loop
 
 
-@torch.no_grad()
-def prefill(decoder: Decoder, prompt: list[int], chunk: int = PREFILL_CHUNK) -> tuple[Tensor, DecodeCache]:
-    """Run the prompt through the decoder `chunk` tokens at a time; (logits [V] after the last token, cache)."""
-    tokens = torch.tensor([prompt], dtype=torch.long, device=decoder.embed.weight.device)
-    cache = None
-    for start in range(0, tokens.shape[1], chunk):
-        logits, cache = decoder(tokens[:, start : start + chunk], cache)
-    return logits[0, -1], cache
-
-
-@torch.no_grad()
-def decode_step(decoder: Decoder, token: int, cache: DecodeCache) -> tuple[Tensor, DecodeCache]:
-    """One recurrent step: (logits [V] of the token after `token`, the cache one token longer)."""
-    tokens = torch.tensor([[token]], dtype=torch.long, device=decoder.embed.weight.device)
-    logits, cache = decoder(tokens, cache)
-    return logits[0, -1], cache
-
-
 def generate_tokens(
-    decoder: Decoder,
+    model,
     prompt: list[int],
     max_new_tokens: int,
     temperature: float = 0.0,
     top_p: float = 1.0,
     seed: int = 0,
-    chunk: int = PREFILL_CHUNK,
     on_cache: Callable[[DecodeCache], None] | None = None,
 ) -> Iterator[int]:
-    """Yield up to `max_new_tokens` new token ids, each as soon as it is chosen (seeded sampling).
+    """Yield up to `max_new_tokens` new token ids of an InferenceModel, each as soon as it is chosen.
 
-    The input is checked before any work; `on_cache` sees the final cache (for reporting).
+    The input is checked before any work; the caches are preallocated to prompt + new tokens;
+    `on_cache` sees the final cache (for reporting). Sampling is seeded.
     """
-    check_request(decoder.spec, prompt, max_new_tokens, temperature, top_p)
+    check_request(model.spec, prompt, max_new_tokens, temperature, top_p)
     if max_new_tokens == 0:
         return
     generator = torch.Generator().manual_seed(seed)
-    logits, cache = prefill(decoder, prompt, chunk)
-    for i in range(max_new_tokens):
-        token = sample_next(logits.cpu(), temperature, top_p, generator)
-        yield token
-        if i + 1 < max_new_tokens:
-            logits, cache = decode_step(decoder, token, cache)
+    device = next(iter(model.state_dict().values())).device
+    with torch.no_grad():
+        logits, cache = model.prefill(torch.tensor([prompt], device=device), len(prompt) + max_new_tokens)
+        logits = logits[0, -1]
+        for i in range(max_new_tokens):
+            token = sample_next(logits.cpu(), temperature, top_p, generator)
+            yield token
+            if i + 1 < max_new_tokens:
+                logits, cache = model.decode(torch.tensor([token], device=device), cache)
+                logits = logits[0, -1]
     if on_cache is not None:
         on_cache(cache)
+
+
+def generate_batch(
+    model, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0
+) -> list[list[int]]:
+    """New tokens for several prompts of any lengths, decoded together (each sequence at its own position)."""
+    if not prompts:
+        raise GenerateError("no prompts given")
+    for prompt in prompts:
+        check_request(model.spec, prompt, max_new_tokens, temperature, top_p)
+    if max_new_tokens == 0:
+        return [[] for _ in prompts]
+    generator = torch.Generator().manual_seed(seed)
+    device = next(iter(model.state_dict().values())).device
+    max_len = max(len(p) for p in prompts) + max_new_tokens
+    out: list[list[int]] = [[] for _ in prompts]
+    with torch.no_grad():
+        logits, cache = model.prefill_batch([torch.tensor(p, device=device) for p in prompts], max_len)
+        for i in range(max_new_tokens):
+            tokens = [sample_next(row.cpu(), temperature, top_p, generator) for row in logits]
+            for seq, t in zip(out, tokens):
+                seq.append(t)
+            if i + 1 < max_new_tokens:
+                logits, cache = model.decode(torch.tensor(tokens, device=device), cache)
+                logits = logits[:, -1]
+    return out
 
 
 def stream_text(tokens: Iterable[int], write: Callable[[str], object]) -> None:

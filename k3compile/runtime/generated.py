@@ -6,12 +6,14 @@ Emitted `model.py` files subclass these with their tables and a `graph` method
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from k3compile.ir.init import initial_value
-from k3compile.runtime.decoder import DecodeCache, Decoder
+from k3compile.modules.init import initial_value
+from k3compile.modules.model import empty_caches
 from k3compile.spec.schema import Spec
 
 IGNORE_INDEX = -100
@@ -47,14 +49,12 @@ class GeneratedModule(nn.Module):
             _put(self, name, torch.empty(shape, dtype=dtype, device=device), True)
         for name, shape, dt, persistent in self.BUFFERS:
             _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False, persistent)
-        self._decoder = None
         if device.type != "meta":
             self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Seeded, documented init (k3compile.ir.init); packed MX buffers quantise their weight's init."""
-        self._decoder = None  # an InferenceModule's decoder holds copies of the old weights
+        """Seeded, documented init (k3compile.modules.init); packed MX buffers quantise their weight's init."""
         for name, p in self.named_parameters():
             p.copy_(initial_value(name, tuple(p.shape), self.spec))
         buffers = dict(self.named_buffers())
@@ -80,52 +80,98 @@ class TrainingModule(GeneratedModule):
         )
 
 
-class InferenceModule(GeneratedModule):
-    """Full forward through the bound graph (MX-packed weights), and prefill/decode with caches.
+@dataclass
+class DecodeCache:
+    """Serving state of a batch: the graphs' cache tensors, and per sequence the tokens it holds.
 
-    Prefill and decode run the eager Decoder over copies of the same weights (packed ones
-    dequantised once); it is rebuilt whenever this module's state_dict is loaded or it is moved.
-    It is deliberately not a submodule: state_dict and parameters() hold only the model's own.
+    `positions` [B] (int64, on the model's device) is what the decode graph reads; `lengths` is the same
+    count on the host, so checking the room left never waits for the device.
+    """
+
+    tensors: dict[str, Tensor]
+    positions: Tensor
+    lengths: list[int]
+    max_len: int
+
+    def nbytes(self) -> dict[str, int]:
+        """Bytes held, split into KDA state (recurrent + conv tails) and MLA latent cache."""
+        kda = sum(t.numel() * t.element_size() for n, t in self.tensors.items() if n.startswith("kda_"))
+        mla = sum(t.numel() * t.element_size() for n, t in self.tensors.items() if n.startswith("mla_"))
+        return {"kda_state": kda, "mla_latent": mla, "total": kda + mla}
+
+
+class InferenceModule(GeneratedModule):
+    """Serving through the compiled prefill and decode graphs, over the packed (MX) weights.
+
+    prefill(tokens) fills fresh caches preallocated to `max_len` tokens; decode(tokens, cache) takes one
+    token per sequence at each sequence's own position. Several prompts of different lengths are
+    prefilled one by one into the rows of one batch (`prefill_batch`) and then decode together.
     """
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """Logits [B, T, V] of a full forward."""
-        return self.graph(tokens)
+        """Logits [B, T, V] of a full forward (the prefill graph from empty caches)."""
+        return self.prefill(tokens, max_len=tokens.shape[1])[0]
 
-    def prefill(self, tokens: Tensor) -> tuple[Tensor, DecodeCache]:
-        """Logits [B, T, V] of the prompt and the cache to continue from (KDA chunked)."""
-        return self.decoder(tokens)
+    def new_cache(self, batch: int, max_len: int | None = None) -> DecodeCache:
+        """Empty caches for `batch` sequences of up to `max_len` tokens (default: the spec's context)."""
+        max_len = self.spec.context_length if max_len is None else max_len
+        if not 0 < max_len <= self.spec.context_length:
+            raise ValueError(f"max_len must be in [1, {self.spec.context_length}] (context_length), got {max_len}")
+        device = next(iter(self.state_dict().values())).device
+        tensors = empty_caches(self.spec, batch, max_len, device, self._activation_dtype())
+        positions = torch.zeros(batch, dtype=torch.int64, device=device)
+        return DecodeCache(tensors, positions, [0] * batch, max_len)
+
+    def prefill(self, tokens: Tensor, max_len: int | None = None) -> tuple[Tensor, DecodeCache]:
+        """Logits [B, T, V] of equal-length prompts and the caches to continue from."""
+        self._check_tokens(tokens)
+        cache = self.new_cache(tokens.shape[0], max_len)
+        if tokens.shape[1] > cache.max_len:
+            raise ValueError(f"{tokens.shape[1]} prompt tokens do not fit max_len {cache.max_len}")
+        logits, tensors = self.prefill_graph(tokens, cache.tensors)
+        cache.tensors.update(tensors)
+        cache.positions.fill_(tokens.shape[1])
+        cache.lengths = [tokens.shape[1]] * tokens.shape[0]
+        return logits, cache
+
+    def prefill_batch(self, prompts: list[Tensor], max_len: int | None = None) -> tuple[Tensor, DecodeCache]:
+        """Prompts of any lengths, each prefilled on its own into its row: (last logits [B, V], cache)."""
+        cache = self.new_cache(len(prompts), max_len)
+        last = []
+        for b, prompt in enumerate(prompts):
+            logits, one = self.prefill(prompt.view(1, -1), cache.max_len)
+            for name, t in one.tensors.items():
+                cache.tensors[name][b] = t[0]
+            cache.positions[b] = prompt.numel()
+            cache.lengths[b] = prompt.numel()
+            last.append(logits[0, -1])
+        return torch.stack(last), cache
 
     def decode(self, tokens: Tensor, cache: DecodeCache) -> tuple[Tensor, DecodeCache]:
-        """Logits of the next tokens [B, T] (usually T = 1) given the cache; returns the new cache."""
-        return self.decoder(tokens, cache)
+        """Logits [B, 1, V] of one new token per sequence (tokens [B] or [B, 1]); the cache moves on by one."""
+        tokens = tokens.view(-1, 1)
+        self._check_tokens(tokens)
+        if tokens.shape[0] != len(cache.lengths):
+            raise ValueError(f"{tokens.shape[0]} tokens for a cache of {len(cache.lengths)} sequences")
+        if max(cache.lengths) >= cache.max_len:
+            raise ValueError(f"the cache is full ({cache.max_len} tokens): prefill with a larger max_len")
+        logits, tensors = self.decode_graph(tokens, cache.positions, cache.tensors)
+        cache.tensors.update(tensors)
+        cache.positions += 1
+        cache.lengths = [n + 1 for n in cache.lengths]
+        return logits, cache
 
-    @property
-    def decoder(self) -> Decoder:
-        if self._decoder is None:
-            object.__setattr__(self, "_decoder", self._build_decoder())  # bypass submodule registration
-        return self._decoder
+    def _check_tokens(self, tokens: Tensor) -> None:
+        if tokens.dim() != 2:
+            raise ValueError(f"tokens must be [batch, time], got shape {tuple(tokens.shape)}")
+        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.spec.vocab_size):
+            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
 
-    def _build_decoder(self) -> Decoder:
-        from k3compile.ops.mx import mx_dequantize
+    def _activation_dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
 
-        device = next(iter(self.state_dict().values())).device
-        with torch.device(device):
-            decoder = Decoder(self.spec)
-        state = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
-        packed_buffers = {p[k] for p in self.PACKED.values() for k in ("data", "scale")}
-        state.update({k: v for k, v in self.state_dict().items() if k in buffers and k not in packed_buffers})
-        for weight, pack in self.PACKED.items():
-            data = buffers[pack["data"]]
-            state[weight] = mx_dequantize(data, buffers[pack["scale"]], pack["fmt"], pack["block"], torch.float32)
-        decoder.load_state_dict({k: v.detach() for k, v in state.items()}, strict=True)
-        return decoder.eval()
+    def prefill_graph(self, tokens: Tensor, caches: dict) -> tuple[Tensor, dict]:  # replaced by the generated method
+        raise NotImplementedError
 
-    def _load_from_state_dict(self, *args, **kwargs):
-        self._decoder = None
-        return super()._load_from_state_dict(*args, **kwargs)
-
-    def _apply(self, fn, recurse=True):
-        self._decoder = None  # .to() / .cuda() / .double(): rebuild on the new device and dtype
-        return super()._apply(fn, recurse)
+    def decode_graph(self, tokens: Tensor, positions: Tensor, caches: dict) -> tuple[Tensor, dict]:  # generated
+        raise NotImplementedError

@@ -96,9 +96,10 @@ def _same_architecture(a: Spec, b: Spec) -> bool:
 
 
 def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
-    """Build `spec` (train mode) into `build_dir`, reusing a build there of the same architecture and compiler."""
+    """Build `spec` (train and infer graphs) into `build_dir`, reusing a build there of the same architecture,
+    modes and compiler."""
     from k3compile import __version__
-    from k3compile.build import BuildOptions, build, package_name
+    from k3compile.build import MODES, BuildOptions, build, package_name
     from k3compile.emit.package import is_build_dir
     from k3compile.loader import load
 
@@ -110,14 +111,15 @@ def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
             manifest = json.loads((dest / "manifest.json").read_text())
             built = Spec.model_validate(manifest["spec"]["fields"])
             same = manifest["compiler"] == f"k3compile {__version__}" and manifest["target"] == target
+            same = same and manifest["modes"] == list(MODES)
             if same and _same_architecture(built, spec):
                 say(f"reusing the build in {dest}")
                 return load(dest)
         except (OSError, ValueError, KeyError):
             pass
-    say(f"building {spec.name} (train mode) into {build_dir}")
+    say(f"building {spec.name} (train and infer graphs) into {build_dir}")
     try:
-        dest, _ = build(spec, build_dir, BuildOptions(mode="train", target=target))
+        dest, _ = build(spec, build_dir, BuildOptions(mode="both", target=target))
     except ValueError as e:
         raise TrainError(f"cannot build {spec.name}: {e}") from None
     return load(dest)

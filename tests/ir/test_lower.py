@@ -11,7 +11,7 @@ import torch
 from k3compile.analysis.params import param_counts
 from k3compile.analysis.stats import spec_stats
 from k3compile.ir.generic_ops import DEPTH_MIX, TOKEN_MIXER
-from k3compile.ir.init import initial_value
+from k3compile.modules.init import initial_value
 from k3compile.ir.lower import EXAMPLE_BATCH, EXAMPLE_TOKENS, lower
 from k3compile.ir.pass_manager import PassContext, PassManager
 from k3compile.ir.verify import verify_graph
