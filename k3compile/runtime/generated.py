@@ -161,6 +161,18 @@ class InferenceModule(GeneratedModule):
         cache.lengths = [n + 1 for n in cache.lengths]
         return logits, cache
 
+    @torch.no_grad()
+    def dense_state_dict(self) -> dict[str, Tensor]:
+        """The training Model's state_dict this model serves: packed weights dequantised (fp32), the rest as is."""
+        from k3compile.ops.mx import mx_dequantize
+
+        state = self.state_dict()
+        packed = {p[k] for p in self.PACKED.values() for k in ("data", "scale")}
+        out = {k: v for k, v in state.items() if k not in packed}
+        for weight, p in self.PACKED.items():
+            out[weight] = mx_dequantize(state[p["data"]], state[p["scale"]], p["fmt"], p["block"], torch.float32)
+        return out
+
     def _check_tokens(self, tokens: Tensor) -> None:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tuple(tokens.shape)}")

@@ -1,5 +1,5 @@
 """Generation: decode-after-prefill equals a full forward, checkpoint packing, sampling, streaming, bad input,
-and the decode benchmark's cache-bytes facts (KDA constant in context, MLA linear)."""
+and the decode benchmark's cache-bytes facts (KDA constant in context, MLA linear in the cache length)."""
 
 from __future__ import annotations
 
@@ -11,14 +11,11 @@ import pytest
 import torch
 
 from k3compile.runtime import checkpoint as ckpt_io
-from k3compile.runtime.decoder import Decoder
 from k3compile.runtime.generate import (
     GenerateError,
-    decode_step,
+    generate_batch,
     generate_tokens,
-    load_decoder,
     load_inference_model,
-    prefill,
     sample_next,
     stream_text,
     top_p_filter,
@@ -86,32 +83,31 @@ def prompt_ids(n: int, seed: int = 0) -> list[int]:
 # ---------------------------------------------------------------- decode after prefill == full forward
 
 
-def test_inference_model_decode_after_chunked_prefill_matches_full_forward(seeded):
+def test_inference_model_decode_after_prefill_matches_full_forward(seeded):
     tokens = torch.tensor([prompt_ids(41)])
     with torch.no_grad():
-        full = seeded(tokens)  # the bound graph, MX-packed weights
-        _, cache = seeded.prefill(tokens[:, :24])
-        _, cache = seeded.decode(tokens[:, 24:40], cache)  # a second prefill chunk continuing the cache
-        logits, cache = seeded.decode(tokens[:, 40:], cache)
-    assert cache.position == 41
+        full = seeded(tokens)  # the prefill graph, MX-packed weights
+        _, cache = seeded.prefill(tokens[:, :24], max_len=41)
+        for t in range(24, 41):
+            logits, cache = seeded.decode(tokens[:, t], cache)
+    assert cache.lengths == [41]
     assert rel_err(logits[0, -1], full[0, -1]) < 1e-4
 
 
 def test_generate_loop_prefill_and_decode_steps_match_full_forward(seeded):
-    decoder = seeded.decoder
     tokens = prompt_ids(44, seed=2)
     with torch.no_grad():
         full = seeded(torch.tensor([tokens]))[0]
-    logits, cache = prefill(decoder, tokens[:40], chunk=16)  # chunks of 16, 16, 8
-    assert rel_err(logits, full[39]) < 1e-4
-    for t in range(40, 44):
-        logits, cache = decode_step(decoder, tokens[t], cache)
-        assert rel_err(logits, full[t]) < 1e-4
+        logits, cache = seeded.prefill(torch.tensor([tokens[:40]]), max_len=44)
+        assert rel_err(logits[0, -1], full[39]) < 1e-4
+        for t in range(40, 44):
+            logits, cache = seeded.decode(torch.tensor([tokens[t]]), cache)
+            assert rel_err(logits[0, -1], full[t]) < 1e-4
 
 
 def test_greedy_generation_is_the_argmax_of_full_forwards(seeded):
     prompt = prompt_ids(10, seed=3)
-    out = list(generate_tokens(seeded.decoder, prompt, 3, temperature=0.0, chunk=4))
+    out = list(generate_tokens(seeded, prompt, 3, temperature=0.0))
     seq = list(prompt)
     with torch.no_grad():
         for _ in range(3):
@@ -119,12 +115,26 @@ def test_greedy_generation_is_the_argmax_of_full_forwards(seeded):
     assert out == seq[10:]
 
 
-def test_decoding_leaves_the_cache_it_started_from_unchanged(seeded):
-    _, cache = prefill(seeded.decoder, prompt_ids(12), chunk=8)
-    before = [t.clone() for state in cache.layers for t in (state if isinstance(state, tuple) else (state,))]
-    decode_step(seeded.decoder, 5, cache)
-    after = [t for state in cache.layers for t in (state if isinstance(state, tuple) else (state,))]
-    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+def test_batched_generation_of_prompts_of_different_lengths_equals_one_at_a_time(seeded):
+    prompts = [prompt_ids(n, seed=n) for n in (3, 11, 7)]
+    together = generate_batch(seeded, prompts, 5)
+    alone = [list(generate_tokens(seeded, p, 5)) for p in prompts]
+    assert together == alone
+
+
+def test_decoding_writes_only_the_new_row_of_the_static_cache(seeded):
+    """The MLA cache is preallocated and updated in place: one decode step writes row `position` and no other."""
+    with torch.no_grad():
+        _, cache = seeded.prefill(torch.tensor([prompt_ids(12)]), max_len=20)
+        before = {k: v.clone() for k, v in cache.tensors.items()}
+        _, after = seeded.decode(torch.tensor([5]), cache)
+    assert after is cache and cache.lengths == [13]
+    for name, old in before.items():
+        new = cache.tensors[name]
+        assert new.shape == old.shape, name
+        if name.startswith("mla_cache"):
+            assert torch.equal(new[:, :12], old[:, :12]) and torch.equal(new[:, 13:], old[:, 13:]), name
+            assert not torch.equal(new[:, 12], old[:, 12]), name
 
 
 # ---------------------------------------------------------------- checkpoint conversion
@@ -147,7 +157,7 @@ def test_converted_checkpoint_dequantises_to_the_mx_rounded_training_weights(sma
 
     path, train_state = trained_ckpt
     model = load_inference_model(small_build[1], path)
-    dec = model.decoder.state_dict()
+    dec = model.dense_state_dict()
     assert model.PACKED
     for k, v in train_state.items():
         if k in model.PACKED:
@@ -158,16 +168,12 @@ def test_converted_checkpoint_dequantises_to_the_mx_rounded_training_weights(sma
             assert torch.equal(dec[k], v), k
 
 
-def test_a_train_only_build_decodes_like_the_inference_build(small_build, trained_ckpt):
+def test_a_train_only_build_is_refused_for_serving(small_build, trained_ckpt):
     package = small_build[1]
     train_only = types.ModuleType("train_only")
     train_only.Model, train_only.SPEC_JSON = package.Model, package.SPEC_JSON
-    path, _ = trained_ckpt
-    tokens = torch.tensor([prompt_ids(20)])
-    with torch.no_grad():
-        a, _ = load_decoder(train_only, path)(tokens)
-        b, _ = load_decoder(package, path)(tokens)
-    assert rel_err(a, b) < 1e-5
+    with pytest.raises(GenerateError, match="train-only build has no InferenceModel"):
+        load_inference_model(train_only, trained_ckpt[0])
 
 
 def test_the_training_output_folder_finds_its_newest_checkpoint(small_build, trained_ckpt):
@@ -209,7 +215,7 @@ def test_sampling_is_seeded_never_picks_outside_the_nucleus_and_follows_its_weig
 
 def test_generation_is_reproducible_by_seed(seeded):
     prompt = prompt_ids(6)
-    run = lambda seed: list(generate_tokens(seeded.decoder, prompt, 6, temperature=1.0, top_p=0.9, seed=seed))
+    run = lambda seed: list(generate_tokens(seeded, prompt, 6, temperature=1.0, top_p=0.9, seed=seed))
     first = run(4)
     assert first == run(4)
     assert first != run(5)
@@ -244,7 +250,7 @@ def test_stream_holds_bytes_until_they_form_a_character():
 )
 def test_bad_requests_are_refused_before_any_work(seeded, prompt, n, kwargs, message):
     with pytest.raises(GenerateError) as e:
-        next(generate_tokens(seeded.decoder, prompt, n, **kwargs))
+        next(generate_tokens(seeded, prompt, n, **kwargs))
     assert message in str(e.value)
 
 
@@ -303,7 +309,7 @@ def test_cli_streams_the_greedy_continuation(cli, small_build, seeded, trained_c
     rc, out, err = cli("generate", small_build[0], "--prompt", prompt, "--max-new-tokens", "4", "--temperature", "0")
     assert rc == 0, err
     assert "seeded initial weights" in err
-    ids = list(generate_tokens(seeded.decoder, list(prompt.encode()), 4))
+    ids = list(generate_tokens(seeded, list(prompt.encode()), 4))
     text = []
     stream_text(ids, text.append)
     assert out == "".join(text) + "\n"
@@ -328,13 +334,16 @@ def bench():
     return _bench()
 
 
-def test_kda_cache_is_constant_in_context_and_all_mla_grows_linearly(bench):
-    from k3compile.spec.load import load_spec
+@pytest.fixture(scope="module")
+def bench_models(bench, tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    return {name: bench.build_model(path, out / name) for name, path in (("k3-tiny", K3_TINY), ("all-mla", ALL_MLA))}
 
+
+def test_kda_cache_is_constant_in_context_and_all_mla_grows_linearly(bench, bench_models):
     contexts = [4, 8, 12]
-    torch.manual_seed(0)
-    hybrid = bench.cache_bytes_by_context(Decoder(load_spec(K3_TINY)).eval(), contexts, chunk=4)
-    all_mla = bench.cache_bytes_by_context(Decoder(load_spec(ALL_MLA)).eval(), contexts, chunk=4)
+    hybrid = bench.cache_bytes_by_context(bench_models["k3-tiny"], contexts)
+    all_mla = bench.cache_bytes_by_context(bench_models["all-mla"], contexts)
     # k3-tiny: 6 KDA layers x (fp32 state 4 heads x 64 x 64, plus 3 conv tails of 256 channels x 3 taps, fp32)
     kda = 6 * (4 * 64 * 64 + 3 * 256 * 3) * 4
     # an MLA layer caches kv_lora_rank + qk_rope_head_dim = 64 + 32 fp32 values a token
@@ -343,13 +352,13 @@ def test_kda_cache_is_constant_in_context_and_all_mla_grows_linearly(bench):
         assert all_mla[n] == {"kda_state": 0, "mla_latent": 8 * 96 * 4 * n, "total": 8 * 96 * 4 * n}
 
 
-def test_bench_rows_have_the_same_bytes_whether_the_cache_is_prefilled_or_tiled(bench, small_spec):
-    decoder = Decoder(small_spec).eval()
-    tiled = bench.measure(decoder, [6, 13], steps=1, chunk=4, fill="tile")
-    real = bench.measure(decoder, [6, 13], steps=1, chunk=4, fill="prefill")
+def test_bench_rows_have_the_same_bytes_whether_the_cache_is_prefilled_or_tiled(bench, bench_models):
+    model = bench_models["k3-tiny"]
+    tiled = bench.measure(model, [6, 13], steps=1, fill="tile")
+    real = bench.measure(model, [6, 13], steps=1, fill="prefill")
     assert [r["context"] for r in tiled] == [6, 13]
     keys = ("context", "kda_state", "mla_latent", "total")
     for a, b in zip(tiled, real, strict=True):
         assert [a[k] for k in keys] == [b[k] for k in keys]
-        assert a["decode_tok_s"] > 0 and a["total"] == a["kda_state"] + a["mla_latent"]
+        assert a["graph_tok_s"] > 0 and a["total"] == a["kda_state"] + a["mla_latent"]
     assert "| k3-tiny | 13 |" in bench.render({"k3-tiny": tiled})

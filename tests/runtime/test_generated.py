@@ -19,9 +19,10 @@ import k3compile
 from k3compile.analysis.formats import ELEMENT_OF_POLICY
 from k3compile.build import build
 from k3compile.ops.mx import mx_fake_quantize
-from k3compile.runtime.decoder import Decoder
+from k3compile.modules.model import K3Model
+from k3compile.modules.moe import RoutedExperts
 from k3compile.spec.load import load_spec
-from k3compile.spec.weights import weight_inventory
+from k3compile.spec.weights import activation_format, weight_inventory
 
 K3_TINY = Path(__file__).resolve().parents[2] / "specs" / "k3-tiny.yaml"
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
@@ -70,9 +71,23 @@ def infer_logits(infer):
 
 @pytest.fixture(scope="module")
 def prefilled(infer):
-    """InferenceModel.prefill(TOKENS): (logits, cache), run by the eager Decoder."""
+    """InferenceModel.prefill(TOKENS): (logits, cache) through the compiled prefill graph."""
     with torch.no_grad():
-        return infer.prefill(TOKENS)
+        return infer.prefill(TOKENS, max_len=TOKENS.shape[1])
+
+
+def eager_with_policy(spec, state: dict) -> K3Model:
+    """The model definition with `state`, its routed experts' inputs fake-quantised per the activation policy
+    and drop-free routing: the eager counterpart of the served graphs."""
+    model = K3Model(spec, init=False)
+    model.load_state_dict(state, strict=True)
+    for name, m in model.named_modules():
+        if isinstance(m, RoutedExperts):
+            fmt = activation_format(spec, f"{name}.up_proj")
+            m.act_quant = (ELEMENT_OF_POLICY[fmt], spec.quantization.block_size) if fmt in ELEMENT_OF_POLICY else None
+        if hasattr(m, "capacity_factor"):
+            m.capacity_factor = None
+    return model.eval()
 
 
 @pytest.fixture(scope="module")
@@ -120,17 +135,20 @@ def test_packed_inference_build_matches_the_qat_training_build(model, train_logi
     assert rel(infer_logits, train_logits) <= 1e-4
 
 
-def test_inference_graph_equals_the_decoder(infer_logits, prefilled):
-    """Bound inference graph (packed weights, in-graph dequantise, MX activations) == eager Decoder over the
-    dequantised weights with the policy's activation hooks: packing and quantisation placement are right."""
+def test_inference_graph_equals_the_eager_model_over_the_dequantised_weights(infer, prefilled):
+    """Bound prefill graph (packed weights, in-graph dequantise, MX activations) == the model definition run
+    eagerly over the dequantised weights with the policy's activation format: packing and quantisation
+    placement are right."""
     logits, cache = prefilled
-    assert rel(infer_logits, logits) <= 1e-5
-    assert cache.position == 12
+    with torch.no_grad():
+        want = eager_with_policy(infer.spec, infer.dense_state_dict())(TOKENS)
+    assert rel(logits, want) <= 1e-5
+    assert cache.lengths == [12, 12]
 
 
-def test_qat_training_graph_equals_an_independent_decoder(model, train_logits):
-    """Train graph (fake-quantised weights and activations) == a Decoder given the training weights quantised
-    per the spec's weight inventory (not the packing tables): QAT simulates exactly what is served."""
+def test_qat_training_graph_equals_the_eager_model_over_quantised_weights(model, train_logits):
+    """Train graph (fake-quantised weights and activations) == the model definition given the training weights
+    quantised per the spec's weight inventory (not the packing tables): QAT simulates exactly what is served."""
     spec = model.spec
     fmt = {w.name: w.format for w in weight_inventory(spec)}
     state = {}
@@ -138,26 +156,25 @@ def test_qat_training_graph_equals_an_independent_decoder(model, train_logits):
         element = ELEMENT_OF_POLICY.get(fmt.get(name, ""))
         state[name] = mx_fake_quantize(value, element, spec.quantization.block_size) if element else value
     assert sum(1 for n in state if ELEMENT_OF_POLICY.get(fmt.get(n, ""))) == 21  # 7 MoE layers x 3 expert weights
-    decoder = Decoder(spec)
-    decoder.load_state_dict(state, strict=True)
     with torch.no_grad():
-        logits, _ = decoder.eval()(TOKENS)
+        logits = eager_with_policy(spec, state)(TOKENS)
     assert rel(train_logits, logits) <= 1e-5
 
 
 def test_prefill_then_decode_equals_one_prefill(infer, prefilled):
     full, _ = prefilled
     with torch.no_grad():
-        logits, cache = infer.prefill(TOKENS[:, :8])
+        logits, cache = infer.prefill(TOKENS[:, :8], max_len=12)
         steps = [logits]
         for t in range(8, 12):
             step, cache = infer.decode(TOKENS[:, t : t + 1], cache)
             steps.append(step)
-    assert cache.position == 12
+    assert cache.lengths == [12, 12]
     assert rel(torch.cat(steps, dim=1), full) <= 1e-5
 
 
-def test_cache_bytes_kda_constant_mla_linear_in_context(infer, prefilled):
+def test_cache_bytes_kda_constant_mla_preallocated(infer, prefilled):
+    """Static shapes: the KDA state is constant, the MLA cache holds max_len rows from the start."""
     spec = infer.spec
     batch = TOKENS.shape[0]
     n_mla = sum(1 for m in spec.mixers if m == "M")
@@ -166,21 +183,20 @@ def test_cache_bytes_kda_constant_mla_linear_in_context(infer, prefilled):
     p = k.num_heads * k.head_dim
     kda_bytes = batch * n_kda * 4 * (k.num_heads * k.head_dim * k.head_dim + (k.short_conv_size - 1) * 3 * p)
     mla_per_token = batch * n_mla * 4 * (m.kv_lora_rank + m.qk_rope_head_dim)  # fp32 [c_kv, k_pe]
-    sizes = {12: prefilled[1].nbytes()}
+    assert prefilled[1].nbytes() == {"kda_state": kda_bytes, "mla_latent": 12 * mla_per_token,
+                                     "total": kda_bytes + 12 * mla_per_token}  # fmt: skip
     with torch.no_grad():
-        _, cache = infer.prefill(TOKENS[:, :1])
-        sizes[1] = cache.nbytes()
+        _, cache = infer.prefill(TOKENS[:, :1], max_len=5)
+        sizes = [cache.nbytes()]
         for t in range(2, 5):
             _, cache = infer.decode(TOKENS[:, t - 1 : t], cache)
-            sizes[t] = cache.nbytes()
-    for t, nb in sizes.items():
-        assert nb == {"kda_state": kda_bytes, "mla_latent": t * mla_per_token, "total": kda_bytes + t * mla_per_token}
+            sizes.append(cache.nbytes())
+    assert sizes == [{"kda_state": kda_bytes, "mla_latent": 5 * mla_per_token, "total": kda_bytes + 5 * mla_per_token}] * 4
 
 
-def test_decoder_is_not_part_of_the_state_and_follows_loaded_weights(pkg, infer, prefilled):
-    """The cached Decoder (built by `prefilled`) stays out of state_dict and is rebuilt when weights load."""
+def test_serving_holds_only_the_tables_tensors_and_follows_loaded_weights(pkg, infer, prefilled):
+    """Serving keeps no copy of the weights: state_dict is the tables', and prefill reads loaded weights."""
     state = infer.state_dict()
-    assert not any(k.startswith("_decoder") for k in state)
     assert len(list(infer.parameters())) == len(pkg.InferenceModel.PARAMETERS)
     pkg.InferenceModel(device="meta").load_state_dict(state, strict=True, assign=True)
     original = {k: v.clone() for k, v in state.items()}
@@ -188,7 +204,7 @@ def test_decoder_is_not_part_of_the_state_and_follows_loaded_weights(pkg, infer,
     try:
         infer.load_state_dict(doubled, strict=True)
         with torch.no_grad():
-            logits, _ = infer.prefill(TOKENS)
+            logits, _ = infer.prefill(TOKENS, max_len=12)
     finally:
         infer.load_state_dict(original, strict=True)
     assert rel(logits, 2 * prefilled[0]) <= 1e-5
