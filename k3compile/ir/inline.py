@@ -60,6 +60,17 @@ def holder(module: nn.Module) -> nn.Module:
     return h
 
 
+def _structured(value):
+    """`value` with nodes that build a NamedTuple (how fx records one passed to a kept call) as that NamedTuple."""
+    if isinstance(value, fx.Node) and value.op == "call_function" and hasattr(value.target, "_fields"):
+        return value.target(*(_structured(a) for a in value.args))
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(_structured(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _structured(v) for k, v in value.items()}
+    return value
+
+
 def _replace_uses(node: fx.Node, value, graph: fx.Graph) -> None:
     """Point every use of `node` at `value`, following getitem chains into a structured value."""
     if isinstance(value, fx.Node):
@@ -83,7 +94,7 @@ def inline_call(
     """
     from k3compile.ir.lower import FlatTracer  # lower imports the model; keep this file light
 
-    leaves, spec = pytree.tree_flatten((tuple(args), dict(kwargs)))
+    leaves, spec = pytree.tree_flatten(_structured((tuple(args), dict(kwargs))))
     constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, fx.Node)}
     inputs = [v for v in leaves if isinstance(v, fx.Node)]
     call = _with_arity(len(inputs))(module, method, spec, constants)

@@ -1,0 +1,116 @@
+"""Serving k3-tiny through its compiled prefill and decode graphs: prefill then decode equals a full forward
+(without quantisation and under the MX policy), batches of prompts of different lengths, packed experts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import k3compile
+from k3compile.analysis.stats import spec_stats
+from k3compile.build import BuildOptions, build
+from k3compile.spec.load import load_spec
+
+K3_TINY = Path(__file__).resolve().parents[2] / "specs" / "k3-tiny.yaml"
+NO_QUANT = ["quantization.rules=[]", "quantization.qat=false"]
+PROMPTS = (1, 63, 64, 65, 200)  # around KDA's chunk of 64
+STEPS = 3  # decode steps after each prompt
+TOKENS = torch.randint(0, 256, (1, max(PROMPTS) + STEPS), generator=torch.Generator().manual_seed(7))
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).norm() / b.norm())
+
+
+def _served(tmp_path_factory, overrides: list[str]):
+    spec = load_spec(K3_TINY, overrides)
+    dest, _ = build(spec, tmp_path_factory.mktemp("serve"), BuildOptions(mode="infer"))
+    model = k3compile.load(dest).InferenceModel().eval()
+    with torch.no_grad():
+        full = model(TOKENS)
+    return model, full
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    return _served(tmp_path_factory, NO_QUANT)
+
+
+@pytest.fixture(scope="module")
+def mx(tmp_path_factory):
+    return _served(tmp_path_factory, [])
+
+
+def _prefill_then_decode(model, n: int) -> torch.Tensor:
+    with torch.no_grad():
+        logits, cache = model.prefill(TOKENS[:, :n], max_len=n + STEPS)
+        steps = [logits]
+        for t in range(n, n + STEPS):
+            step, cache = model.decode(TOKENS[:, t], cache)
+            steps.append(step)
+    assert cache.lengths == [n + STEPS]
+    return torch.cat(steps, dim=1)
+
+
+@pytest.mark.parametrize("n", PROMPTS)
+def test_prefill_then_decode_equals_a_full_forward_without_quantisation(plain, n):
+    model, full = plain
+    assert rel(_prefill_then_decode(model, n), full[:, : n + STEPS]) <= 1e-5
+
+
+@pytest.mark.parametrize("n", PROMPTS)
+def test_prefill_then_decode_equals_a_full_forward_under_the_mx_policy(mx, n):
+    model, full = mx
+    assert rel(_prefill_then_decode(model, n), full[:, : n + STEPS]) <= 2e-3
+
+
+@pytest.mark.parametrize("which", ["plain", "mx"])
+def test_a_batch_of_prompts_of_different_lengths_decodes_each_at_its_own_position(which, request):
+    model, full = request.getfixturevalue(which)
+    lengths = (5, 64, 37)
+    tol = 1e-5 if which == "plain" else 2e-3
+    with torch.no_grad():
+        last, cache = model.prefill_batch([TOKENS[0, :n] for n in lengths], max_len=max(lengths) + STEPS)
+        assert rel(last, torch.stack([full[0, n - 1] for n in lengths])) <= tol
+        for k in range(STEPS):
+            step, cache = model.decode(torch.stack([TOKENS[0, n + k] for n in lengths]), cache)
+            assert rel(step[:, 0], torch.stack([full[0, n + k] for n in lengths])) <= tol
+    assert cache.lengths == [n + STEPS for n in lengths]
+    assert cache.positions.tolist() == cache.lengths
+
+
+def test_routed_experts_stay_packed_while_decoding(mx):
+    """The experts occupy exactly the MXFP4 bytes (payload + E8M0 scales) that `stats` counts, as packed buffers,
+    and the decode graph reads them only by gathering the packed data and scales of the picked experts."""
+    model, _ = mx
+    stats = spec_stats(model.spec)
+    buffers = dict(model.named_buffers())
+    packed = sum(buffers[p[k]].numel() * buffers[p[k]].element_size() for p in model.PACKED.values() for k in ("data", "scale"))
+    assert packed == stats["weight_bytes"]["by_format"]["mxfp4"] == stats["expert_parallel"]["routed_expert_bytes_per_rank"]
+    assert all(buffers[p["data"]].dtype == torch.uint8 for p in model.PACKED.values())
+    assert not [n for n, _ in model.named_parameters() if ".experts." in n]
+    with torch.no_grad():  # the cache and the weights after some decoding: still nothing unpacked
+        _, cache = model.prefill(TOKENS[:, :4], max_len=8)
+        model.decode(TOKENS[:, 4], cache)
+    assert not [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if ".experts." in n and t.is_floating_point()]
+    code = model.decode_graph.__code__
+    source = Path(code.co_filename).read_text()
+    decode = source[source.index("def decode_graph(") :]
+    assert "index_select(layers_1_moe_experts_gate_proj_weight_mx" in decode.replace(" ", "")
+    assert "mx_dequantize" not in decode  # nothing dequantises a whole expert stack
+
+
+def test_decode_shapes_never_change(mx):
+    """Static caches: every cache tensor keeps its shape and storage from one decode step to the next."""
+    model, _ = mx
+    with torch.no_grad():
+        _, cache = model.prefill(TOKENS[:, :9], max_len=16)
+        shapes = {k: v.shape for k, v in cache.tensors.items()}
+        mla = {k: v.data_ptr() for k, v in cache.tensors.items() if k.startswith("mla_cache")}
+        for t in range(9, 12):
+            _, cache = model.decode(TOKENS[:, t], cache)
+            assert {k: v.shape for k, v in cache.tensors.items()} == shapes
+            assert {k: v.data_ptr() for k, v in cache.tensors.items() if k.startswith("mla_cache")} == mla
