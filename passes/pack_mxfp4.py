@@ -3,10 +3,11 @@
 Inference build: each selected weight becomes packed MX data plus E8M0 scales
 (buffers `<weight>_mx` and `<weight>_scale`); a linear on it becomes `k3::mx_linear`,
 other matmuls read `k3::mx_dequantize` (the decode graph's expert gathers gather the packed
-data and scales first, so only the picked experts are dequantised). Training build with QAT: the weight is
-read through `k3::mx_fake_quantize` (straight-through). In both, a matmul input
-whose policy format is MX goes through `k3::mx_fake_quantize` along its last dim,
-so the two builds compute the same numbers.
+data and scales first, so only the picked experts are dequantised; its absorbed MLA reads kv_b_proj
+dequantised and, under an MX activation policy, the latent's c_kv part fake-quantised, as kv_b_proj's
+input is in the expanded form). Training build with QAT: the weight is read through
+`k3::mx_fake_quantize` (straight-through). In both, a matmul input whose policy format is MX goes
+through `k3::mx_fake_quantize` along its last dim, so the two builds compute the same numbers.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ MATMULS = (torch.matmul, operator.matmul, torch.bmm)
 TRANSPOSES = ("transpose", "t", "mT")
 VIEWS = (torch.unflatten,)  # shard_experts' rank-major view [ep, E/ep, ...] of stacked expert weights
 CASTS = ("to", "float")  # the router reads its weight cast to fp32
+ABSORBED = K3.mla_decode_absorbed.default  # reads kv_b_proj.weight (w_kvb, argument 2) whole
 
 
 def _formats(ctx: PassContext) -> dict[str, tuple[str, str]]:
@@ -64,7 +66,20 @@ def _weight_consumers(node: fx.Node) -> list[tuple[fx.Node, fx.Node]]:
             for mm, t in _readers(user):
                 if mm.op == "call_function" and mm.target in MATMULS and mm.args[1] is t:
                     out.append((mm, t))
+        elif user.op == "call_function" and user.target is ABSORBED and user.args[2] is via:
+            out.append((user, via))
     return out
+
+
+def _quantize_latent(gm: fx.GraphModule, mm: fx.Node, L: int, fmt: str, block: int) -> bool:
+    """Absorbed MLA: fake-quantise the latent's first L values (c_kv), what kv_b_proj reads when expanded."""
+    latent = mm.args[1]
+    with gm.graph.inserting_before(mm):
+        c_kv = gm.graph.call_function(operator.getitem, (latent, (Ellipsis, slice(None, L))))
+        k_pe = gm.graph.call_function(operator.getitem, (latent, (Ellipsis, slice(L, None))))
+        fq = gm.graph.call_function(K3.mx_fake_quantize.default, (c_kv, ELEMENT_OF_POLICY[fmt], block))
+        mm.update_arg(1, gm.graph.call_function(torch.cat, ([fq, k_pe],), {"dim": -1}))
+    return True
 
 
 def _quantize_activation(gm: fx.GraphModule, mm: fx.Node, fmt: str, block: int, done: dict) -> bool:
@@ -96,7 +111,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
             continue
         for mm, _ in consumers:
             if afmt in ELEMENT_OF_POLICY and (infer or ctx.spec.quantization.qat):
-                stats["activations_quantized"] += _quantize_activation(gm, mm, afmt, block, quantized)
+                if mm.target is ABSORBED:
+                    L = params[node.target].shape[1]
+                    stats["activations_quantized"] += _quantize_latent(gm, mm, L, afmt, block)
+                else:
+                    stats["activations_quantized"] += _quantize_activation(gm, mm, afmt, block, quantized)
         if wfmt not in ELEMENT_OF_POLICY:
             continue
         element = ELEMENT_OF_POLICY[wfmt]

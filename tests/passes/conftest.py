@@ -1,7 +1,8 @@
 """Shared fixtures for the pass tests: spec loading, running a prefix of the pipeline, one full k3-tiny build.
 
-The k3-tiny build (train and infer, real seeded weights, --verify-numerics) is the expensive part, so it
-is made once per session and every pass's test file reads its graphs and records.
+The k3-tiny build (train and infer: the train, prefill and decode graphs, real seeded weights,
+--verify-numerics) is the expensive part, so it is made once per session and every pass's test file reads
+its graphs and records.
 """
 
 from __future__ import annotations
@@ -20,16 +21,20 @@ def _load(name: str = "k3-tiny.yaml", *overrides: str):
     return load_spec(SPECS / name, overrides=list(overrides))
 
 
-def _run_passes(spec, names, *, device="cpu", mode="train", target=None):
-    """Lower `spec` and run the named pipeline passes in order: (graph, example inputs, records)."""
-    from k3compile.build import pipeline
+def _run_passes(spec, names, *, device="cpu", mode="train", target=None, graph=None):
+    """Lower `graph` of `spec` and run the named pipeline passes in order: (graph, example inputs, records).
+
+    `graph` defaults to the mode's first graph: "train" in train mode, "prefill" in infer mode.
+    """
+    from k3compile.build import GRAPHS_OF_MODE, pipeline
     from k3compile.ir.lower import lower
     from k3compile.ir.pass_manager import PassContext, PassManager
 
+    graph = graph or GRAPHS_OF_MODE[mode][0]
     by_name = {p.name: p for p in pipeline()}
-    lowered = lower(spec, device)
+    lowered = lower(spec, device, graph=graph)
     manager = PassManager([by_name[n] for n in names])
-    ctx = PassContext(spec, mode, target or spec.target)
+    ctx = PassContext(spec, mode, target or spec.target, graph)
     manager.run(lowered.gm, ctx, lowered.example_inputs)
     return lowered.gm, lowered.example_inputs, manager.records
 
@@ -42,7 +47,7 @@ def load():
 
 @pytest.fixture(scope="session")
 def run_passes():
-    """run_passes(spec, names, device="cpu", mode="train", target=None) -> (gm, example_inputs, records)."""
+    """run_passes(spec, names, device="cpu", mode="train", target=None, graph=None) -> (gm, example_inputs, records)."""
     return _run_passes
 
 
@@ -53,7 +58,8 @@ def tiny_spec():
 
 @pytest.fixture(scope="session")
 def tiny_build(tiny_spec):
-    """k3-tiny compiled for train and infer with real seeded weights and every numerics-preserving pass checked."""
+    """k3-tiny compiled for train and infer with real seeded weights and every numerics-preserving pass checked:
+    {"train", "prefill", "decode"} -> CompiledGraph."""
     from k3compile.build import BuildOptions, compile_graphs
 
     return compile_graphs(tiny_spec, ("train", "infer"), BuildOptions(verify_numerics=True))
@@ -61,10 +67,10 @@ def tiny_build(tiny_spec):
 
 @pytest.fixture(scope="session")
 def record(tiny_build):
-    """record(mode, pass name) -> the PassRecord of that pass in the k3-tiny build."""
+    """record(graph, pass name) -> the PassRecord of that pass on that graph ("train", "prefill", "decode")."""
 
-    def get(mode: str, name: str):
-        (r,) = [r for r in tiny_build[mode].records if r.name == name]
+    def get(graph: str, name: str):
+        (r,) = [r for r in tiny_build[graph].records if r.name == name]
         return r
 
     return get

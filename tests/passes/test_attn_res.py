@@ -1,4 +1,5 @@
-"""attn_res: plain residuals equal the generic depth mix exactly; block/full AttnRes mix the planned sources."""
+"""attn_res: plain residuals equal the model definition's depth sites exactly; block/full AttnRes mix the
+planned sources and compute what the unwired sites (`layers.<i>.attn_res`, `layers.<i>.ffn_res`, `final_res`) do."""
 
 from __future__ import annotations
 
@@ -8,10 +9,12 @@ import pytest
 import torch
 from torch import fx
 
-from k3compile.ir.generic_ops import DEPTH_MIX
+from torch.utils import _pytree as pytree
+
 from k3compile.ir.lower import lower
 from k3compile.ir.pass_manager import PassContext, PassManager
 from k3compile.modules.attn_res import source_plan
+from k3compile.modules.model import DEPTH_SITES
 from k3compile.passes import attn_res, interleave
 
 ATTN_RES_OP = torch.ops.k3.attn_res.default
@@ -24,12 +27,29 @@ VARIANTS = {
 }
 
 
-def split_run(spec, device):
+GRAPHS = ("train", "prefill", "decode")
+
+
+def context(spec, graph: str = "train") -> PassContext:
+    return PassContext(spec, "train" if graph == "train" else "infer", spec.target, graph)
+
+
+def split_run(spec, device, graph="train"):
     """Lower, interleave, then (graph, inputs, manager) ready to run attn_res with `manager.run(..., start=1)`."""
-    lowered = lower(spec, device)
+    lowered = lower(spec, device, graph=graph)
     pm = PassManager([interleave.PASS, attn_res.PASS])
-    pm.run(lowered.gm, PassContext(spec), lowered.example_inputs, stop=1)
+    pm.run(lowered.gm, context(spec, graph), lowered.example_inputs, stop=1)
     return lowered.gm, lowered.example_inputs, pm
+
+
+def depth_sites(gm) -> list[fx.Node]:
+    """The depth-site calls lowering keeps and attn_res wires."""
+    return [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), DEPTH_SITES)]
+
+
+def flat(out) -> list[torch.Tensor]:
+    """A graph's outputs as a flat list: logits (train), or logits and every cache (prefill, decode)."""
+    return pytree.tree_leaves(out)
 
 
 def site_of(path: str, num_layers: int) -> int:
@@ -42,22 +62,25 @@ def site_of(path: str, num_layers: int) -> int:
 # ---------------------------------------------------------------- plain
 
 
-@pytest.fixture(scope="module")
-def plain(load):
+@pytest.fixture(scope="module", params=GRAPHS)
+def plain(request, load):
     spec = load("ablations/no-attn-res.yaml")
-    gm, inputs, pm = split_run(spec, "cpu")
+    graph = request.param
+    gm, inputs, pm = split_run(spec, "cpu", graph)
     with torch.no_grad():
-        generic = gm(*inputs)  # the unresolved depth mixes run their reference: the plain sum
-    pm.run(gm, PassContext(spec), inputs, start=1)
+        unwired = gm(*pytree.tree_map_only(torch.Tensor, torch.clone, inputs))  # the kept sites run eagerly: the plain sum
+    pm.run(gm, context(spec, graph), inputs, start=1)
     with torch.no_grad():
-        wired = gm(*inputs)
-    return spec, gm, pm.records[-1], generic, wired
+        wired = gm(*pytree.tree_map_only(torch.Tensor, torch.clone, inputs))  # decode writes its caches in place
+    return spec, gm, pm.records[-1], unwired, wired
 
 
-def test_plain_equals_the_generic_depth_mix_exactly(plain):
-    _, gm, _, generic, wired = plain
-    assert torch.equal(wired, generic)
-    assert not any(n.target is DEPTH_MIX for n in gm.graph.nodes)
+def test_plain_equals_the_model_definitions_depth_sites_exactly(plain):
+    _, gm, _, unwired, wired = plain
+    got, want = flat(wired), flat(unwired)
+    assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
+    assert not depth_sites(gm)
+    assert not any(n.op == "call_module" for n in gm.graph.nodes)  # mixers and sites all inlined
 
 
 def test_plain_is_one_running_sum(plain):
@@ -76,7 +99,8 @@ def wired(request, load):
     """(spec, graph after attn_res, record, {source node: index}) where index 0 is the embedding, k+1 sublayer k."""
     spec = load(*VARIANTS[request.param])
     gm, inputs, pm = split_run(spec, "meta")
-    (final,) = [n for n in gm.graph.nodes if n.target is DEPTH_MIX and n.args[1] == 2 * spec.num_layers]
+    (final,) = [n for n in depth_sites(gm) if gm.get_submodule(n.target).site == 2 * spec.num_layers]
+    assert final.target == "final_res"
     index = {node: k for k, node in enumerate(final.args[0])}
     pm.run(gm, PassContext(spec), inputs, start=1)
     return spec, gm, pm.records[-1], index
@@ -115,7 +139,9 @@ def test_statistics_and_parameters(wired):
         assert record.statistics["adds"] == 0  # every source is one sublayer output
     queries = [n for n, _ in gm.named_parameters() if n.endswith(".query")]
     assert len(queries) == n_sites and "final_res.query" in queries
-    assert not any(n.target is DEPTH_MIX for n in gm.graph.nodes)
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert set(queries) <= read  # each inlined k3::attn_res reads its own site's query
+    assert not depth_sites(gm)
 
 
 def test_block_sums_are_shared_between_sites(load):
@@ -146,3 +172,24 @@ def test_zero_queries_average_the_sources(load):
     assert len(seen) == 2 * spec.num_layers + 1
     for stack, out in seen:
         torch.testing.assert_close(out, stack.mean(0), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+@pytest.mark.parametrize("variant", ["block-3", "full"])
+def test_wired_attention_residuals_equal_the_unwired_sites(load, variant, graph):
+    """attn_res preserves numerics: with non-zero queries, the wired graph equals the kept AttnResSite calls."""
+    spec = load(*VARIANTS[variant])
+    gm, inputs, pm = split_run(spec, "cpu", graph)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in gm.named_parameters():
+            if name.endswith(".query"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+        unwired = flat(gm(*pytree.tree_map_only(torch.Tensor, torch.clone, inputs)))
+    pm.run(gm, context(spec, graph), inputs, start=1)
+    assert not depth_sites(gm)
+    with torch.no_grad():
+        wired = flat(gm(*pytree.tree_map_only(torch.Tensor, torch.clone, inputs)))
+    assert len(wired) == len(unwired)
+    for a, b in zip(wired, unwired):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)

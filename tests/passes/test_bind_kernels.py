@@ -24,17 +24,26 @@ def is_k3(node) -> bool:
     return schema is not None and schema.name.startswith("k3::")
 
 
-@pytest.fixture(scope="module")
-def rebound(tiny_spec, tiny_build):
-    """The k3-tiny infer graph bound again for h200 (bind_kernels reads only the target)."""
-    gm = copy.deepcopy(tiny_build["infer"].gm)
-    stats = bind_kernels.run(gm, PassContext(tiny_spec, "infer", "h200"))
-    return gm, stats
+GRAPHS = ("train", "prefill", "decode")
+# Ops each inference graph of k3-tiny must bind to Triton on h200 (the decode graph: the decode kernels).
+H200_OPS = {
+    "prefill": {"mx_expert_glu", "attn_res", "kda_chunk", "moe_dispatch"},
+    "decode": {"mx_expert_glu", "attn_res", "kda_decode_step", "mla_decode_absorbed"},
+}
 
 
-@pytest.mark.parametrize("mode", ["train", "infer"])
-def test_every_op_node_is_bound_on_cpu(tiny_build, record, mode):
-    gm = tiny_build[mode].gm
+@pytest.fixture(scope="module", params=list(H200_OPS))
+def rebound(request, tiny_spec, tiny_build):
+    """A k3-tiny inference graph (prefill or decode) bound again for h200 (bind_kernels reads only the target)."""
+    graph = request.param
+    gm = copy.deepcopy(tiny_build[graph].gm)
+    stats = bind_kernels.run(gm, PassContext(tiny_spec, "infer", "h200", graph))
+    return graph, gm, stats
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_every_op_node_is_bound_on_cpu(tiny_build, record, graph):
+    gm = tiny_build[graph].gm
     ops = op_nodes(gm)
     k3 = [n for n in ops if is_k3(n)]
     assert k3 and len(k3) < len(ops)
@@ -47,12 +56,12 @@ def test_every_op_node_is_bound_on_cpu(tiny_build, record, mode):
             assert n.kwargs["backend"] == "torch"
         else:
             assert kernel["impl"] == "native" and kernel["op"].startswith("torch.") and kernel["reason"], n.name
-    stats = record(mode, "bind_kernels").statistics
+    stats = record(graph, "bind_kernels").statistics
     assert stats == {"k3_ops": len(k3), "triton": 0, "reference": len(k3), "native": len(ops) - len(k3)}
 
 
 def test_h200_records_the_reason_for_each_fallback(rebound):
-    gm, stats = rebound
+    graph, gm, stats = rebound
     k3 = [n for n in op_nodes(gm) if is_k3(n)]
     seen = set()
     for n in k3:
@@ -65,7 +74,7 @@ def test_h200_records_the_reason_for_each_fallback(rebound):
         else:
             assert kernel == {"op": f"k3::{op}", "impl": "torch", "reason": f"no Triton kernel for k3::{op}"}
             assert n.kwargs["backend"] == "torch"
-    assert {"mx_expert_glu", "attn_res", "kda_chunk", "moe_dispatch"} <= seen
+    assert H200_OPS[graph] <= seen
     assert stats["k3_ops"] == len(k3) == stats["triton"] + stats["reference"]
     assert stats["triton"] > stats["reference"]
 
@@ -105,16 +114,17 @@ def test_op_names():
 
 
 def test_numerics_checked_in_the_build(record):
-    for mode in ("train", "infer"):
-        r = record(mode, "bind_kernels")
+    for graph in GRAPHS:
+        r = record(graph, "bind_kernels")
         assert r.preserves_numerics and r.max_rel_diff == 0.0  # binding only annotates nodes
 
 
 def test_every_numerics_preserving_pass_was_checked(tiny_build):
-    """The --verify-numerics build compared every numerics-preserving pass that ran, in both modes."""
+    """The --verify-numerics build compared every numerics-preserving pass that ran, on every graph of both modes."""
+    assert set(tiny_build) == set(GRAPHS)
     for compiled in tiny_build.values():
         checked = [r for r in compiled.records if r.preserves_numerics]
-        assert {r.name for r in checked} >= {"shard_experts", "fuse", "bind_kernels"}
+        assert {r.name for r in checked} >= {"interleave", "attn_res", "shard_experts", "fuse", "bind_kernels"}
         for r in compiled.records:
             assert (r.max_rel_diff is not None) == r.preserves_numerics, r.name
             if r.preserves_numerics:

@@ -17,18 +17,20 @@ from k3compile.passes import fuse
 K3 = torch.ops.k3
 PASSES = pipeline()
 FUSE = [p.name for p in PASSES].index("fuse")
+GRAPHS = ("train", "prefill", "decode")
+INFER_GRAPHS = ("prefill", "decode")
 
 
 def count(gm, target) -> int:
     return sum(n.target is target for n in gm.graph.nodes)
 
 
-def around_fuse(spec, device="cpu", mode="train"):
-    """(graph before fuse, its logits, graph after fuse, its logits, fuse record); logits None on meta."""
-    lowered = lower(spec, device)
+def around_fuse(spec, device="cpu", graph="train"):
+    """(graph before fuse, its outputs, graph after fuse, its outputs, fuse record); outputs None on meta."""
+    lowered = lower(spec, device, graph=graph)
     gm, inputs = lowered.gm, lowered.example_inputs
     pm = PassManager(PASSES[: FUSE + 1])
-    ctx = PassContext(spec, mode, spec.target)
+    ctx = PassContext(spec, "train" if graph == "train" else "infer", spec.target, graph)
     pm.run(gm, ctx, inputs, stop=FUSE)
     norm_inputs = [n.args[0].target for n in gm.graph.nodes if n.target is K3.rms_norm.default]
     glus = count(gm, K3.situ_glu.default) + count(gm, K3.swiglu.default)
@@ -67,10 +69,10 @@ def test_plain_outputs_unchanged_bit_for_bit(plain):
 def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, record):
     n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
     expected = len(tiny_spec.dense_layers) + n_moe  # one dense FFN + one shared-expert MLP per MoE layer
-    for mode in ("train", "infer"):
-        gm = tiny_build[mode].gm
+    for graph in GRAPHS:
+        gm = tiny_build[graph].gm
         fused = [n for n in gm.graph.nodes if n.target is K3.linear_glu.default]
-        assert len(fused) == expected == record(mode, "fuse").statistics["linear_glu"]
+        assert len(fused) == expected == record(graph, "fuse").statistics["linear_glu"]
         owners = sorted(n.args[1].target.rsplit(".", 2)[0] for n in fused)
         assert owners == sorted(["layers.0.ffn"] + [f"layers.{i}.moe.shared_experts" for i in range(1, 8)])
         for n in fused:
@@ -81,18 +83,18 @@ def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, rec
 
 
 def test_attn_res_leaves_no_residual_add_to_fuse(record):
-    for mode in ("train", "infer"):
-        stats = record(mode, "fuse").statistics
+    for graph in GRAPHS:
+        stats = record(graph, "fuse").statistics
         kinds = ("add_rms_norm", "rms_norm_gate", "linear_glu", "router", "expert_glu", "expert_matmul", "mx_experts")
         assert stats["add_rms_norm"] == 0 and stats["nodes_rewritten"] == sum(stats[k] for k in kinds)
 
 
 def test_router_logits_scoring_bias_and_top_k_become_one_op(tiny_spec, tiny_build, record):
     n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
-    for mode in ("train", "infer"):
-        gm = tiny_build[mode].gm
+    for graph in GRAPHS:
+        gm = tiny_build[graph].gm
         fused = [n for n in gm.graph.nodes if n.target is K3.linear_route.default]
-        assert len(fused) == n_moe == record(mode, "fuse").statistics["router"]
+        assert len(fused) == n_moe == record(graph, "fuse").statistics["router"]
         assert count(gm, K3.moe_route.default) == 0
         for n in fused:  # reads the router weight and its selection bias, with the spec's top-k and scoring
             assert n.args[1].args[0].target.endswith(".moe.router.weight")
@@ -102,7 +104,8 @@ def test_router_logits_scoring_bias_and_top_k_become_one_op(tiny_spec, tiny_buil
 
 def test_routed_experts_become_grouped_gemms(tiny_spec, tiny_build, record):
     """Training: expert_glu + expert_matmul on the fake-quantised stacked weights; inference: their MXFP4
-    forms reading the packed buffers (the dequantisation moves into the kernel)."""
+    forms reading the packed buffers (the dequantisation moves into the kernel). In the decode graph the packed
+    data and scales are first gathered by the routing indices, so only the picked experts are read."""
     n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
     train = tiny_build["train"].gm
     glu = [n for n in train.graph.nodes if n.target is K3.expert_glu.default]
@@ -115,27 +118,42 @@ def test_routed_experts_become_grouped_gemms(tiny_spec, tiny_build, record):
     assert not any(n.target is torch.matmul for n in train.graph.nodes)
     stats = record("train", "fuse").statistics
     assert stats["expert_glu"] == stats["expert_matmul"] == n_moe and stats["mx_experts"] == 0
-    infer = tiny_build["infer"].gm
-    mx_glu = [n for n in infer.graph.nodes if n.target is K3.mx_expert_glu.default]
-    mx_down = [n for n in infer.graph.nodes if n.target is K3.mx_expert_matmul.default]
-    assert len(mx_glu) == len(mx_down) == n_moe and record("infer", "fuse").statistics["mx_experts"] == 2 * n_moe
-    for g in mx_glu:
-        assert [a.target.rsplit(".", 1)[-1] for a in g.args[1:5]] == ["weight_mx", "weight_scale"] * 2
-        assert g.args[5:] == (32, "situ_glu", 4.0, 25.0)
-    assert count(infer, K3.mx_dequantize.default) == count(infer, K3.expert_glu.default) == 0
+    for graph in INFER_GRAPHS:
+        infer = tiny_build[graph].gm
+        mx_glu = [n for n in infer.graph.nodes if n.target is K3.mx_expert_glu.default]
+        mx_down = [n for n in infer.graph.nodes if n.target is K3.mx_expert_matmul.default]
+        assert len(mx_glu) == len(mx_down) == n_moe and record(graph, "fuse").statistics["mx_experts"] == 2 * n_moe
+        for g in mx_glu:
+            weights = [_packed_source(a, graph) for a in g.args[1:5]]
+            assert [a.target.rsplit(".", 1)[-1] for a in weights] == ["weight_mx", "weight_scale"] * 2
+            assert g.args[5:] == (32, "situ_glu", 4.0, 25.0)
+        for d in mx_down:
+            weights = [_packed_source(a, graph) for a in d.args[1:3]]
+            assert [a.target.rsplit(".", 1)[-1] for a in weights] == ["weight_mx", "weight_scale"]
+        assert count(infer, K3.mx_dequantize.default) == count(infer, K3.expert_glu.default) == 0
+
+
+def _packed_source(arg, graph: str):
+    """The packed buffer an MX expert GEMM reads: directly (prefill) or through the decode graph's expert gather."""
+    if graph == "decode":
+        assert arg.target is torch.index_select and arg.args[1] == 0, arg.name  # gathered by the routing indices
+        arg = arg.args[0]
+    assert arg.op == "get_attr", arg.name
+    return arg
 
 
 def test_numerics_checked_in_the_build(record):
-    for mode in ("train", "infer"):
-        r = record(mode, "fuse")
+    for graph in GRAPHS:
+        r = record(graph, "fuse")
         assert r.preserves_numerics and r.max_rel_diff is not None and r.max_rel_diff <= 1e-5
 
 
 def test_kda_gate_is_fused_at_the_source(tiny_spec, tiny_build, record):
     """KDA emits k3::rms_norm_gate itself, so the shipped specs leave the rms_norm_gate pattern nothing to do."""
-    gm = tiny_build["train"].gm
-    assert count(gm, K3.rms_norm_gate.default) == tiny_spec.mixers.count("K")
-    assert record("train", "fuse").statistics["rms_norm_gate"] == 0
+    for graph in GRAPHS:
+        gm = tiny_build[graph].gm
+        assert count(gm, K3.rms_norm_gate.default) == tiny_spec.mixers.count("K")
+        assert record(graph, "fuse").statistics["rms_norm_gate"] == 0
 
 
 def test_swiglu_kind(load):

@@ -1,15 +1,22 @@
-"""interleave: each layer's generic token mixer becomes KDA or Gated MLA exactly as the spec's layout says."""
+"""interleave: each layer's kept mixer call becomes KDA or Gated MLA ops exactly as the spec's layout says,
+in the graph's form (chunked KDA and expanded MLA in train/prefill, their one-token steps in decode)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from k3compile.ir.generic_ops import TOKEN_MIXER
+from k3compile.modules.kda import KDAMixer
+from k3compile.modules.mla import MLAMixer
 from k3compile.spec.weights import weight_inventory
 
 K3 = torch.ops.k3
-KDA_OP, MLA_OP = K3.kda_chunk.default, K3.mla_attention.default
+OPS = {  # graph -> (the KDA op, the MLA attention op) interleave inlines
+    "train": (K3.kda_chunk.default, K3.mla_attention.default),
+    "prefill": (K3.kda_chunk.default, K3.mla_attention.default),
+    "decode": (K3.kda_decode_step.default, K3.mla_decode_absorbed.default),
+}
+GRAPHS = list(OPS)
 
 LAYOUTS = {
     "k3-tiny": ("k3-tiny.yaml",),
@@ -21,11 +28,25 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS), ids=list(LAYOUTS))
+@pytest.fixture(
+    scope="module",
+    params=[(layout, graph) for layout in LAYOUTS for graph in GRAPHS],
+    ids=[f"{layout}-{graph}" for layout in LAYOUTS for graph in GRAPHS],
+)
 def interleaved(request, load, run_passes):
-    spec = load(*LAYOUTS[request.param])
-    gm, _, records = run_passes(spec, ["interleave"], device="meta")
-    return spec, gm, records[0]
+    layout, graph = request.param
+    spec = load(*LAYOUTS[layout])
+    mode = "train" if graph == "train" else "infer"
+    gm, _, records = run_passes(spec, ["interleave"], device="meta", mode=mode, graph=graph)
+    return spec, gm, records[0], graph
+
+
+def _mixer_calls(gm) -> list:
+    """The token-mixer calls lowering keeps (`layers.<i>.attn`) that interleave has not inlined."""
+    return [
+        n for n in gm.graph.nodes
+        if n.op == "call_module" and isinstance(gm.get_submodule(n.target), (KDAMixer, MLAMixer))
+    ]
 
 
 def _layer_ops(gm) -> dict[int, set]:
@@ -44,19 +65,36 @@ def test_layout_variants_are_what_they_claim(load):
     assert load(*LAYOUTS["last-full"]).mixers == tuple("KKKKKKKM")
 
 
+def test_lowering_keeps_one_mixer_call_per_layer(load):
+    """Before interleave, each layer's mixer is a call of the layout's module at `layers.<i>.attn`, in every graph."""
+    from k3compile.ir.lower import lower
+
+    spec = load(*LAYOUTS["k3-tiny"])
+    for graph in GRAPHS:
+        gm = lower(spec, graph=graph).gm
+        calls = _mixer_calls(gm)
+        assert [n.target for n in calls] == [f"layers.{i}.attn" for i in range(spec.num_layers)], graph
+        kinds = [type(gm.get_submodule(n.target)) for n in calls]
+        assert kinds == [KDAMixer if k == "K" else MLAMixer for k in spec.mixers], graph
+
+
 def test_kda_and_mla_counts_match_the_layout(interleaved):
-    spec, gm, record = interleaved
+    spec, gm, record, graph = interleaved
+    KDA_OP, MLA_OP = OPS[graph]
     n_kda, n_mla = spec.mixers.count("K"), spec.mixers.count("M")
     nodes = list(gm.graph.nodes)
     assert sum(n.target is KDA_OP for n in nodes) == n_kda
     assert sum(n.target is MLA_OP for n in nodes) == n_mla
-    assert not any(n.target is TOKEN_MIXER for n in nodes)
+    other_kda, other_mla = OPS["decode" if graph != "decode" else "train"]  # the other form's ops are absent
+    assert not any(n.target in (other_kda, other_mla) for n in nodes)
+    assert not _mixer_calls(gm)
     assert record.statistics["kda_layers"] == n_kda and record.statistics["mla_layers"] == n_mla
     assert record.statistics["nodes_added"] > 0
 
 
 def test_each_layer_gets_its_own_mixer(interleaved):
-    spec, gm, _ = interleaved
+    spec, gm, _, graph = interleaved
+    KDA_OP, MLA_OP = OPS[graph]
     ops = _layer_ops(gm)
     assert sorted(ops) == list(range(spec.num_layers))
     for i, letter in enumerate(spec.mixers):
@@ -64,10 +102,12 @@ def test_each_layer_gets_its_own_mixer(interleaved):
 
 
 def test_mixer_parameters_are_the_inventorys(interleaved):
-    spec, gm, _ = interleaved
+    spec, gm, _, _ = interleaved
     inventory = {w.name: w.shape for w in weight_inventory(spec) if w.component in ("kda", "mla")}
     graph = {n: tuple(p.shape) for n, p in gm.named_parameters() if ".attn." in n}
     assert graph == inventory
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert set(inventory) <= read  # the inlined ops read every mixer weight under its inventory name
 
 
 def test_mla_output_gate_follows_the_spec(load, run_passes):

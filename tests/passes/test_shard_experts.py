@@ -112,6 +112,6 @@ def test_local_experts_run_rank_major(sharded):
 
 
 def test_numerics_checked_in_the_build(record):
-    for mode in ("train", "infer"):
-        r = record(mode, "shard_experts")
+    for graph in ("train", "prefill", "decode"):
+        r = record(graph, "shard_experts")
         assert r.preserves_numerics and r.max_rel_diff is not None and r.max_rel_diff <= 1e-5
