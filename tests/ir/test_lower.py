@@ -1,4 +1,5 @@
-"""Lowering: the skeleton graph, parameters equal to the weight inventory for every shipped spec, seeded init."""
+"""Lowering: the skeleton graphs (train, prefill, decode) traced from the model definition, parameters equal to
+the weight inventory for every shipped spec, seeded init."""
 
 from __future__ import annotations
 
@@ -8,24 +9,30 @@ from pathlib import Path
 import pytest
 import torch
 
+from torch.utils import _pytree as pytree
+
 from k3compile.analysis.params import param_counts
 from k3compile.analysis.stats import spec_stats
-from k3compile.ir.generic_ops import DEPTH_MIX, TOKEN_MIXER
-from k3compile.modules.init import initial_value
-from k3compile.ir.lower import EXAMPLE_BATCH, EXAMPLE_TOKENS, lower
+from k3compile.ir.lower import EXAMPLE_BATCH, EXAMPLE_CACHE_LEN, EXAMPLE_TOKENS, build_model, lower
 from k3compile.ir.pass_manager import PassContext, PassManager
 from k3compile.ir.verify import verify_graph
+from k3compile.kernels.kda import kda_gate_ref
+from k3compile.modules.init import DT_MAX, DT_MIN, initial_value
+from k3compile.modules.kda import KDAMixer
+from k3compile.modules.mla import MLAMixer
+from k3compile.modules.model import DEPTH_SITES, GRAPHS, cache_shapes
 from k3compile.passes import attn_res, interleave
 from k3compile.spec.load import load_spec
+from k3compile.spec.schema import MIXER_KDA
 from k3compile.spec.weights import weight_inventory
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
 ALL_SPECS = sorted(SPECS.rglob("*.yaml"))
-PARAM_PASSES = [interleave.PASS, attn_res.PASS]  # the passes that create parameters
+PARAM_PASSES = [interleave.PASS, attn_res.PASS]  # the passes that inline the kept mixer and depth-site calls
 
 
 def resolve(spec, device: str):
-    """Lower `spec` and run the parameter-creating passes: the train graph's parameters are final here."""
+    """Lower `spec` and inline its kept calls: the train graph's parameters are final here."""
     lowered = lower(spec, device)
     PassManager(PARAM_PASSES).run(lowered.gm, PassContext(spec), lowered.example_inputs)
     return lowered.gm
@@ -77,31 +84,61 @@ def test_meta_lowering_holds_no_real_memory(on_meta):
 # ---------------------------------------------------------------- the skeleton
 
 
+@pytest.mark.parametrize("graph", GRAPHS)
 @pytest.mark.parametrize("name", ["k3-tiny.yaml", "kimi-linear-48b-a3b.yaml"])
-def test_skeleton_has_one_generic_mixer_per_layer_and_one_depth_mix_per_site(name):
+def test_skeleton_has_one_mixer_call_per_layer_and_one_depth_site_per_site(name, graph):
     spec = load_spec(SPECS / name)
-    lowered = lower(spec)
+    lowered = lower(spec, graph=graph)
     gm = lowered.gm
-    mixers = [n for n in gm.graph.nodes if n.target is TOKEN_MIXER]
-    mixes = [n for n in gm.graph.nodes if n.target is DEPTH_MIX]
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    mixers = [n for n in calls if isinstance(gm.get_submodule(n.target), (KDAMixer, MLAMixer))]
+    mixes = [n for n in calls if isinstance(gm.get_submodule(n.target), DEPTH_SITES)]
     L = spec.num_layers
-    assert [n.args[1] for n in mixers] == list(range(L))
-    assert [n.args[1] for n in mixes] == list(range(2 * L + 1))
+    assert [n.target for n in mixers] == [f"layers.{i}.attn" for i in range(L)]
+    assert [type(gm.get_submodule(n.target)) for n in mixers] == [
+        KDAMixer if kind == MIXER_KDA else MLAMixer for kind in spec.mixers
+    ]
+    assert [gm.get_submodule(n.target).site for n in mixes] == list(range(2 * L + 1))
     assert [len(n.args[0]) for n in mixes] == [site + 1 for site in range(2 * L + 1)]  # embedding + earlier outputs
-    # The skeleton's parameters are the inventory's minus what the passes add (mixers, AttnRes).
-    added = {w.name for w in weight_inventory(spec) if w.component in ("kda", "mla", "attn_res")}
-    expected = {w.name: w.shape for w in weight_inventory(spec) if w.name not in added}
-    assert {n: tuple(p.shape) for n, p in gm.named_parameters()} == expected
+    # Everything else is ops over the inventory's parameters; the kept calls hold the mixers' and AttnRes'.
+    kept = {w.name for w in weight_inventory(spec) if w.component in ("kda", "mla", "attn_res")}
+    expected = {w.name: w.shape for w in weight_inventory(spec) if w.name not in kept}
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert {n: tuple(p.shape) for n, p in gm.named_parameters() if n in read} == expected
+    # ... and the graph's module tree holds every parameter of the inventory already, under its name.
+    assert {n: tuple(p.shape) for n, p in gm.named_parameters()} == {w.name: w.shape for w in weight_inventory(spec)}
     verify_graph(gm, lowered.example_inputs)  # no dangling nodes, shapes propagate
-    (tokens,) = lowered.example_inputs
-    assert tokens.shape == (EXAMPLE_BATCH, EXAMPLE_TOKENS) and tokens.device.type == "meta"
+    assert gm.meta["graph"] == graph
+    tokens = lowered.example_inputs[0]
+    assert tokens.shape == (EXAMPLE_BATCH, 1 if graph == "decode" else EXAMPLE_TOKENS) and tokens.device.type == "meta"
+    if graph != "train":  # prefill: (tokens, caches); decode: (tokens, positions, caches)
+        caches = lowered.example_inputs[-1]
+        assert {n: (tuple(c.shape), c.dtype) for n, c in caches.items()} == cache_shapes(
+            spec, EXAMPLE_BATCH, EXAMPLE_CACHE_LEN
+        )
+        assert len(lowered.example_inputs) == (2 if graph == "prefill" else 3)
     assert type(gm).__name__ == "K3_" + spec.name.replace("-", "_")
 
 
-def test_unresolved_skeleton_refuses_to_run(tiny):
-    lowered = lower(tiny, "cpu")
-    with pytest.raises(RuntimeError, match="unresolved token mixer"):
-        lowered.gm(*lowered.example_inputs)
+def _cloned(inputs):
+    """Fresh copies of a graph's inputs: the decode step writes its MLA caches in place."""
+    return pytree.tree_map_only(torch.Tensor, torch.clone, inputs)
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_unresolved_graph_runs_and_equals_the_model_definition(tiny, graph):
+    """Before any pass, a lowered graph runs (the kept mixer and depth-site calls run their modules eagerly) and
+    computes exactly what the model definition's entry point for that graph computes, on the same weights."""
+    model = build_model(tiny, "cpu")
+    lowered = lower(tiny, graph=graph, model=model)
+    kept = [n for n in lowered.gm.graph.nodes if n.op == "call_module"]
+    assert len(kept) == tiny.num_layers + 2 * tiny.num_layers + 1  # a mixer per layer, a depth site per site
+    entry = {"train": model.forward, "prefill": model.prefill, "decode": model.decode}[graph]
+    with torch.no_grad():
+        got = pytree.tree_leaves(lowered.gm(*_cloned(lowered.example_inputs)))
+        want = pytree.tree_leaves(entry(*_cloned(lowered.example_inputs)))
+    assert len(got) == len(want) == (1 if graph == "train" else 1 + len(cache_shapes(tiny, 1, 1)))
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 # ---------------------------------------------------------------- real weights: seeded, deterministic, init rules
@@ -127,6 +164,37 @@ def test_the_seed_changes_the_weights(tiny, tiny_real):
     assert torch.equal(other.final_norm.weight, tiny_real.final_norm.weight)  # ones either way
 
 
+def _check_published_decay(spec, dt_bias, a_log, name: str):
+    """dt_bias follows the published KDA decay convention (k3compile.modules.init): at f = 0 each channel's log
+    decay is g = -exp(A_log) * dt with dt log-uniform in [1e-3, 1e-1]. Returns the per-step retention exp(g)."""
+    H, K = spec.kda.num_heads, spec.kda.head_dim
+    d = spec.kda.decay
+    assert dt_bias.shape == (H * K,), name
+    g = kda_gate_ref(torch.zeros(H, K), a_log, dt_bias, d.form, d.lower_bound)
+    dt = -g / a_log.exp()[:, None]
+    assert dt.min() >= DT_MIN * (1 - 1e-4) and dt.max() <= DT_MAX * (1 + 1e-4), name
+    log_dt = dt.log10().flatten()
+    assert log_dt.median().item() == pytest.approx(-2.0, abs=0.25), name  # log-uniform over [-3, -1]
+    assert log_dt.min() < -2.8 and log_dt.max() > -1.2, name  # spread over the whole range
+    return g.exp().flatten()
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [(), ("kda.decay.form=softplus", "kda.decay.lower_bound=null")],
+    ids=["lower_bounded_sigmoid", "softplus"],
+)
+def test_dt_bias_follows_the_published_convention_in_both_forms(overrides):
+    spec = load_spec(SPECS / "k3-tiny.yaml", overrides=list(overrides))
+    H, K = spec.kda.num_heads, spec.kda.head_dim
+    retention = []
+    for i in [i for i, kind in enumerate(spec.mixers) if kind == MIXER_KDA]:
+        a_log = initial_value(f"layers.{i}.attn.A_log", (H,), spec)
+        dt_bias = initial_value(f"layers.{i}.attn.dt_bias", (H * K,), spec)
+        retention.append(_check_published_decay(spec, dt_bias, a_log, f"layers.{i}"))
+    assert torch.cat(retention).median().item() == pytest.approx(0.94, abs=0.05)
+
+
 def _params(gm, pred):
     found = {n: p for n, p in gm.named_parameters() if pred(n)}
     assert found
@@ -143,8 +211,12 @@ def test_init_rules(tiny, tiny_real):
     queries = _params(gm, lambda n: n.endswith(".query"))
     assert len(queries) == 2 * L + 1 and all(torch.all(q == 0) for q in queries.values())
     assert "final_res.query" in queries
-    for p in _params(gm, lambda n: n.endswith(".dt_bias")).values():
-        assert torch.all(p == 0)
+    retention = []
+    for n, p in _params(gm, lambda n: n.endswith(".dt_bias")).items():
+        a_log = dict(gm.named_parameters())[n.removesuffix("dt_bias") + "A_log"]
+        retention.append(_check_published_decay(spec, p.detach(), a_log.detach(), n))
+    # With dt_bias = 0 a channel would keep about 8% of its state per step; the published start keeps about 94%.
+    assert torch.cat(retention).median().item() == pytest.approx(0.94, abs=0.05)
     for n, p in _params(gm, lambda n: n.endswith(".A_log")).items():
         a = p.exp()
         assert p.shape == (spec.kda.num_heads,) and torch.all((a >= 1) & (a <= 16)), n

@@ -294,17 +294,21 @@ def dumped(spec):
 
 
 def test_dump_after_all_through_build(dumped):
-    for mode, compiled in dumped.items():
+    assert list(dumped) == ["train", "prefill", "decode"]  # infer mode: the prefill and decode graphs
+    for graph, compiled in dumped.items():
         ran = [r.name for r in compiled.records if r.status == "ran"]
         names = [f"{i:02d}-{r.name}" for i, r in enumerate(compiled.records, 1) if r.status == "ran"]
         assert list(compiled.dumps) == ["00-lowered"] + names
         assert "fuse" not in ran and "bind_kernels" in ran
-        lowered = compiled.dumps["00-lowered"]
-        assert "call_function[k3::token_mixer]" in lowered and "call_function[k3::depth_mix]" in lowered
+        lowered = compiled.dumps["00-lowered"]  # the kept calls: a token mixer per layer, a depth site per site
+        assert "call_module[layers.0.attn]" in lowered and "call_module[layers.0.attn_res]" in lowered
+        assert "call_module[final_res]" in lowered
         after = compiled.dumps[names[0]]  # interleave
-        assert "k3::token_mixer" not in after and "call_function[k3::kda_chunk]" in after
-        assert "float32[2, 8, 256]" in after  # shapes of [B, T, D] activations
-        assert ("call_function[k3::mx_dequantize]" in compiled.dumps[names[-1]]) == (mode == "infer")
+        kda = "kda_decode_step" if graph == "decode" else "kda_chunk"
+        assert "call_module[layers.0.attn]" not in after and f"call_function[k3::{kda}]" in after
+        T = 1 if graph == "decode" else 8
+        assert f"float32[2, {T}, 256]" in after  # shapes of [B, T, D] activations
+        assert ("call_function[k3::mx_dequantize]" in compiled.dumps[names[-1]]) == (graph != "train")
 
 
 def test_disabled_pass_through_build(dumped):
