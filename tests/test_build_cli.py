@@ -1,7 +1,7 @@
 """`k3compile build` on the command line: summary, binding table, dumps, disabled passes, modes, targets, errors.
 
 Two builds, each run once per module: train-only for h200 with every pass dumped and fuse disabled, and
-infer-only with the graph dumped after interleave.
+infer-only (the prefill and decode graphs) with each graph dumped after interleave.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_summary_and_binding_table_with_fallback_reasons(h200_train):
     assert out.startswith(f"built {dest}")  # no progress output on stdout (or anywhere off a terminal)
     assert f"built {dest} (k3-tiny, target h200, modes train, {human(total)} parameters, " in " ".join(out.split())
     assert err == ""
-    assert "train: passes" in out and "infer:" not in out
+    assert "train: passes" in out and "prefill:" not in out and "decode:" not in out
     assert re.search(r"│ fuse +│ disabled +│ +│", out)
     assert re.search(r"│ pack_mxfp4 +│ ran +│ weights_packed 0, weights_fake_quantized 21, ", out)
     assert "train: kernel binding (h200)" in out
@@ -97,7 +97,7 @@ def test_dump_after_all_writes_every_pass_that_ran(h200_train):
     assert rc == 0
     names = [f"{i:02d}-{p}.txt" for i, p in enumerate(["lowered", *PASSES]) if p != "fuse"]
     assert sorted(p.name for p in (dest / "graphs" / "train").iterdir()) == names
-    assert not (dest / "graphs" / "infer").exists()
+    assert not (dest / "graphs" / "prefill").exists() and not (dest / "graphs" / "decode").exists()
     last = (dest / "graphs" / "train" / "07-bind_kernels.txt").read_text()
     assert last == (dest / "graphs" / "train-final.txt").read_text()
     assert "k3::kda_chunk" not in (dest / "graphs" / "train" / "00-lowered.txt").read_text()  # interleave adds it
@@ -137,10 +137,18 @@ def test_mode_train_emits_only_the_training_model(h200_train):
 def test_mode_infer_and_dump_after_one_pass(infer_interleave):
     rc, out, err, dest = infer_interleave
     assert rc == 0, err
-    assert "infer: passes" in out and "train:" not in out and "infer: kernel binding (cpu)" in out
-    assert sorted(p.name for p in (dest / "graphs" / "infer").iterdir()) == ["00-lowered.txt", "01-interleave.txt"]
+    assert "train:" not in out
+    for graph in ("prefill", "decode"):  # infer mode: two graphs, each with its passes and binding table
+        assert f"{graph}: passes" in out and f"{graph}: kernel binding (cpu)" in out, graph
+        dumps = sorted(p.name for p in (dest / "graphs" / graph).iterdir())
+        assert dumps == ["00-lowered.txt", "01-interleave.txt"], graph
+        assert (dest / "graphs" / f"{graph}-final.txt").exists()
+    interleaved = {g: (dest / "graphs" / g / "01-interleave.txt").read_text() for g in ("prefill", "decode")}
+    assert "k3::kda_chunk" in interleaved["prefill"] and "k3::kda_decode_step" not in interleaved["prefill"]
+    assert "k3::kda_decode_step" in interleaved["decode"] and "k3::kda_chunk" not in interleaved["decode"]
     assert not (dest / "graphs" / "train").exists() and not (dest / "graphs" / "train-final.txt").exists()
     pkg = k3compile.load(dest)
     assert pkg.__all__ == ["SPEC_JSON", "TARGET", "InferenceModel"] and not hasattr(pkg, "Model")
     manifest = json.loads((dest / "manifest.json").read_text())
-    assert manifest["modes"] == ["infer"] and list(manifest["passes"]) == ["infer"]
+    assert manifest["modes"] == ["infer"] and manifest["graphs"] == ["prefill", "decode"]
+    assert set(manifest["passes"]) == set(manifest["bindings"]) == {"prefill", "decode"}

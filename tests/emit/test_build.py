@@ -52,8 +52,8 @@ def test_build_writes_the_documented_files(tiny_build, tiny_tree):
     dest, _ = tiny_build
     assert dest.name == "k3_tiny" and is_build_dir(dest)
     assert sorted(tiny_tree) == [
-        ".k3compile-build", "__init__.py", "graphs/infer-final.txt", "graphs/train-final.txt", "manifest.json",
-        "model.py",
+        ".k3compile-build", "__init__.py", "graphs/decode-final.txt", "graphs/prefill-final.txt",
+        "graphs/train-final.txt", "manifest.json", "model.py",
     ]  # fmt: skip
     assert json.loads(tiny_tree[".k3compile-build"]) == {"compiler": __version__, "spec": "k3-tiny"}
 
@@ -84,7 +84,8 @@ def test_refusal_happens_before_compiling(tiny_spec, tmp_path, monkeypatch):
 
 @pytest.fixture
 def failing_routing(monkeypatch, tmp_path):
-    """Pass 'routing' raises in infer mode, after the train graph is finished: a build failing midway.
+    """Pass 'routing' raises in infer mode (on the prefill graph), after the train graph is finished: a build
+    failing midway.
 
     Returns the temp dir the pass manager's reproducer goes to (redirected away from /tmp).
     """
@@ -131,25 +132,31 @@ def test_manifest_records_spec_stats_passes_and_bindings(tiny_build, tiny_tree, 
     assert manifest["spec"] == {"name": "k3-tiny", "sha256": spec_hash(tiny_spec), "fields": fields}
     assert manifest["stats"] == json.loads(json.dumps(spec_stats(tiny_spec)))
     assert manifest["modes"] == ["train", "infer"] and manifest["target"] == "cpu"
+    graphs = ["train", "prefill", "decode"]  # infer mode: the prefill and decode graphs
+    assert manifest["graphs"] == graphs
+    assert set(manifest["passes"]) == set(manifest["bindings"]) == set(manifest["binding_table"]) == set(graphs)
     assert manifest["weights"] == "initialised (seeded)"
     declared = {p.name: set(p.statistics) for p in pipeline()}
     moe_layers = tiny_spec.num_layers - len(tiny_spec.dense_ffn.layers)  # 7 MoE layers x 3 expert projections
-    for mode in ("train", "infer"):
-        records = {r["name"]: r for r in manifest["passes"][mode]}
+    for graph in graphs:
+        records = {r["name"]: r for r in manifest["passes"][graph]}
         assert list(records) == list(declared)
         for name, r in records.items():
             assert r["status"] == "ran" and set(r["statistics"]) == declared[name], name
         bound = records["bind_kernels"]["statistics"]
-        bindings = manifest["bindings"][mode]
+        bindings = manifest["bindings"][graph]
         assert len(bindings) == bound["k3_ops"] + bound["native"]
-        assert sum(row["nodes"] for row in manifest["binding_table"][mode]) == len(bindings)
+        assert sum(row["nodes"] for row in manifest["binding_table"][graph]) == len(bindings)
         k3 = [b for b in bindings.values() if b["op"].startswith("k3::")]
         assert len(k3) == bound["k3_ops"] and {b["impl"] for b in k3} == {"torch"}
         assert {b["reason"] for b in k3} == {"PyTorch reference on CPU"}
-        assert records["routing"]["statistics"]["drop_free"] == (moe_layers if mode == "infer" else 0)
-    train, infer = ({r["name"]: r["statistics"] for r in manifest["passes"][m]} for m in ("train", "infer"))
+        routing = records["routing"]["statistics"]
+        assert routing["drop_free"] == (moe_layers if graph != "train" else 0)
+        assert routing["gathered"] == (moe_layers if graph == "decode" else 0)  # decode: only the picked experts
+    train, *infer = ({r["name"]: r["statistics"] for r in manifest["passes"][g]} for g in graphs)
     assert (train["pack_mxfp4"]["weights_fake_quantized"], train["pack_mxfp4"]["weights_packed"]) == (3 * moe_layers, 0)
-    assert (infer["pack_mxfp4"]["weights_packed"], infer["pack_mxfp4"]["weights_fake_quantized"]) == (3 * moe_layers, 0)
+    for stats in infer:
+        assert (stats["pack_mxfp4"]["weights_packed"], stats["pack_mxfp4"]["weights_fake_quantized"]) == (3 * moe_layers, 0)
 
 
 @pytest.mark.parametrize(

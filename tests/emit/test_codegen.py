@@ -118,7 +118,7 @@ class _CallsSubmodule(_Tiny):
 
 def test_graphs_that_still_call_submodules_are_refused(tiny_spec):
     with pytest.raises(ValueError, match="still calls submodules"):
-        model_source(tiny_spec, [], "cpu", {"train": fx.symbolic_trace(_CallsSubmodule())}, "cpu", {})
+        model_source(tiny_spec, [], "cpu", {"train": fx.symbolic_trace(_CallsSubmodule())}, "cpu", {"train": {}})
 
 
 def test_allowed_but_unusual_spec_strings_stay_inside_literals(tiny_spec):
@@ -129,7 +129,7 @@ def test_allowed_but_unusual_spec_strings_stay_inside_literals(tiny_spec):
     spec = Spec.model_validate(fields)
     gm = fx.symbolic_trace(_Tiny())
     gm._non_persistent_buffers_set.add("scale")  # fx copies buffers as persistent; lowering marks them back
-    src = model_source(spec, ["interleave"], "cpu", {"train": gm}, "cpu", {})
+    src = model_source(spec, ["interleave"], "cpu", {"train": gm}, "cpu", {"train": {}})  # packed: per graph
     code = compile(src, "model.py", "exec")
     assert Spec.model_validate_json(_spec_json_literal(src)) == spec
     for glob in odd:

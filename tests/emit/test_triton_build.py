@@ -2,7 +2,8 @@
 
 The h200 package's k3 nodes carry backend="triton" wherever a kernel exists. Run on CPU under the Triton
 interpreter (tests/conftest.py sets TRITON_INTERPRET=1 without a GPU), its training loss and gradients for
-one forward+backward step, and its inference logits, must match the CPU build's (the PyTorch references).
+one forward+backward step, and its inference logits (prefill, then decode steps through the decode graph's
+kernels), must match the CPU build's (the PyTorch references).
 
 One caveat is measured, not assumed. With QAT on (the shipped spec), activations pass through MXFP8
 rounding, a step function: a 1e-7 difference upstream can move an element across a rounding boundary,
@@ -67,22 +68,30 @@ def compare(results) -> tuple[float, dict[str, float]]:
 
 
 def bound_ops(path) -> dict[str, dict[str, str]]:
-    """{mode: {k3 op: implementation}} from the package's manifest binding tables."""
+    """{graph: {k3 op: implementation}} from the package's manifest binding tables."""
     manifest = json.loads((path / "manifest.json").read_text())
     tables = manifest["binding_table"]
-    return {mode: {row["op"]: row["impl"] for row in rows if row["op"].startswith("k3::")} for mode, rows in tables.items()}
+    return {graph: {row["op"]: row["impl"] for row in rows if row["op"].startswith("k3::")} for graph, rows in tables.items()}
+
+
+TRITON_AT_LEAST = {  # per graph, ops k3-tiny must run as Triton kernels on h200
+    "train": {"k3::kda_chunk", "k3::attn_res", "k3::rms_norm", "k3::mx_fake_quantize"},
+    "prefill": {"k3::kda_chunk", "k3::attn_res", "k3::rms_norm", "k3::mx_expert_glu"},
+    "decode": {"k3::kda_decode_step", "k3::mla_decode_absorbed", "k3::attn_res", "k3::rms_norm", "k3::mx_expert_glu"},
+}
 
 
 def test_h200_binds_every_op_that_has_a_kernel(packages):
     path, _ = packages["h200"]
-    for mode, ops in bound_ops(path).items():
+    bound = bound_ops(path)
+    assert set(bound) == set(TRITON_AT_LEAST)  # manifest.json sorts its keys
+    for graph, ops in bound.items():
         for op, impl in ops.items():
             name = op.removeprefix("k3::")
             expected = f"triton:{TRITON_KERNELS[name]}" if name in TRITON_KERNELS else "torch"
-            assert impl == expected, (mode, op)
+            assert impl == expected, (graph, op)
         triton = {op for op, impl in ops.items() if impl.startswith("triton")}
-        assert {"k3::kda_chunk", "k3::attn_res", "k3::rms_norm", "k3::mx_fake_quantize" if mode == "train" else
-                "k3::mx_expert_glu"} <= triton, mode
+        assert TRITON_AT_LEAST[graph] <= triton, graph
     source = (path / "model.py").read_text()
     assert "backend = 'triton'" in source
     cpu_source = (packages["cpu"][0] / "model.py").read_text()
@@ -110,4 +119,24 @@ def test_h200_inference_logits_match_the_cpu_build(packages):
     logits = {target: package.InferenceModel()(tokens) for target, (_, package) in packages.items()}
     err = rel_rms(logits["h200"], logits["cpu"])
     print(f"inference logits rel RMS {err:.2e}")
+    assert err <= 1e-4
+
+
+def test_h200_decode_steps_match_the_cpu_build(packages):
+    """Prefill, then decode steps through the decode graph (the KDA and MLA decode kernels on h200)."""
+    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    prompt, steps = SEQ - 3, 3
+    logits = {}
+    for target, (_, package) in packages.items():
+        model = package.InferenceModel()
+        with torch.no_grad():
+            out, cache = model.prefill(tokens[:, :prompt], max_len=SEQ)
+            outs = [out[:, -1:]]
+            for t in range(prompt, prompt + steps):
+                out, cache = model.decode(tokens[:, t], cache)
+                outs.append(out)
+        logits[target] = torch.cat(outs, dim=1)
+    assert logits["cpu"].shape == (2, steps + 1, 256)
+    err = rel_rms(logits["h200"], logits["cpu"])
+    print(f"decode logits rel RMS {err:.2e}")
     assert err <= 1e-4

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import fx, nn
 
 from k3compile.build import BuildOptions, compile_graphs
-from k3compile.ir.lower import lower
+from k3compile.ir.lower import EXAMPLE_BATCH, EXAMPLE_TOKENS, lower
 from k3compile.ir.verify import GraphVerificationError
 from k3compile.ir.pass_manager import GraphPass, NumericsMismatch, PassContext, PassFailure, PassManager
 from k3compile.passes import attn_res, interleave
@@ -306,8 +306,8 @@ def test_dump_after_all_through_build(dumped):
         after = compiled.dumps[names[0]]  # interleave
         kda = "kda_decode_step" if graph == "decode" else "kda_chunk"
         assert "call_module[layers.0.attn]" not in after and f"call_function[k3::{kda}]" in after
-        T = 1 if graph == "decode" else 8
-        assert f"float32[2, {T}, 256]" in after  # shapes of [B, T, D] activations
+        T = 1 if graph == "decode" else EXAMPLE_TOKENS
+        assert f"float32[{EXAMPLE_BATCH}, {T}, 256]" in after  # shapes of [B, T, D] activations
         assert ("call_function[k3::mx_dequantize]" in compiled.dumps[names[-1]]) == (graph != "train")
 
 
@@ -345,7 +345,7 @@ def test_cli_dump_after_and_disable_pass(cli, tmp_path):
     graphs = pkg / "graphs"
     assert sorted(p.name for p in (graphs / "train").iterdir()) == ["00-lowered.txt", "01-interleave.txt"]
     text = (graphs / "train" / "01-interleave.txt").read_text()
-    assert "call_function[k3::kda_chunk]" in text and "float32[2, 8, 256]" in text
+    assert "call_function[k3::kda_chunk]" in text and f"float32[{EXAMPLE_BATCH}, {EXAMPLE_TOKENS}, 256]" in text
     manifest = json.loads((pkg / "manifest.json").read_text())
     status = {r["name"]: r["status"] for r in manifest["passes"]["train"]}
     assert status["fuse"] == "disabled" and status["interleave"] == "ran"

@@ -143,7 +143,7 @@ def test_k3_cache_is_576_values_per_token():
 
 def test_trace_and_compile_prefill_and_decode():
     m = _mixer(6, True, True)
-    gm = torch.fx.symbolic_trace(m, concrete_args={"cache": None, "start_pos": 0})
+    gm = torch.fx.symbolic_trace(m, concrete_args={"cache": None, "start_pos": 0, "positions": None})
     assert torch.ops.k3.mla_attention.default in {n.target for n in gm.graph.nodes}
     x = torch.randn(1, 5, 16)
     compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
@@ -153,3 +153,23 @@ def test_trace_and_compile_prefill_and_decode():
     torch.testing.assert_close(y, m(x[:, 4:], cache, 4)[0])
     y.sum().backward()
     assert m.kv_b_proj.weight.grad is not None
+
+
+def test_trace_and_compile_the_static_decode_step():
+    """The decode graph's form: a preallocated cache, positions as a tensor; traces to the absorbed op and
+    compiles with one graph for every step (NoPE, as the static step requires)."""
+    m = _mixer(6, False, True)
+    gm = torch.fx.symbolic_trace(m, concrete_args={"start_pos": 0})  # x, cache and positions are graph inputs
+    assert torch.ops.k3.mla_decode_absorbed.default in {n.target for n in gm.graph.nodes}
+    assert torch.ops.k3.mla_attention.default not in {n.target for n in gm.graph.nodes}
+    x = torch.randn(2, 6, 16)
+    _, prefilled = m(x[:, :4], torch.zeros(2, 8, m.cache_values_per_token))
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    cache, eager_cache = prefilled.clone(), prefilled.clone()
+    for t in (4, 5):
+        positions = torch.full((2,), t, dtype=torch.int64)
+        y, cache = compiled(x[:, t : t + 1], cache, positions=positions)
+        want, eager_cache = m(x[:, t : t + 1], eager_cache, positions=positions)
+        torch.testing.assert_close(y, want)
+        torch.testing.assert_close(cache, eager_cache)
+    torch.testing.assert_close(y, m(x)[0][:, 5:])  # the step equals the full forward at that position

@@ -31,15 +31,24 @@ def calls(monkeypatch, op: str) -> list[str]:
 
 
 def test_every_op_schema_ends_in_backend_auto():
-    import k3compile.ops.experts  # noqa: F401
-    import k3compile.ir.generic_ops  # noqa: F401
+    import importlib
+    import pkgutil
 
+    import k3compile.ops
+
+    for info in pkgutil.iter_modules(k3compile.ops.__path__):  # every op family registers its ops on import
+        importlib.import_module(f"k3compile.ops.{info.name}")
     packets = {n: getattr(torch.ops.k3, n) for n in dir(torch.ops.k3) if not n.startswith("_")}
     names = [n for n, p in packets.items() if isinstance(p, torch._ops.OpOverloadPacket)]
     assert len(names) > 30
     for name in names:
         arg = getattr(torch.ops.k3, name).default._schema.arguments[-1]
         assert (arg.name, str(arg.type), arg.default_value) == ("backend", "str", "auto"), name
+    # An optional tensor argument goes before backend, with its default: the decode step's per-sequence lengths.
+    args = torch.ops.k3.mla_decode_absorbed.default._schema.arguments
+    assert [(a.name, str(a.type), a.default_value) for a in args[-2:]] == [
+        ("lengths_B", "Optional[Tensor]", None), ("backend", "str", "auto")
+    ]
 
 
 def test_auto_runs_the_reference_on_cpu_and_triton_when_forced(monkeypatch):

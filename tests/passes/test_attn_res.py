@@ -11,7 +11,7 @@ from torch import fx
 
 from torch.utils import _pytree as pytree
 
-from k3compile.ir.lower import lower
+from k3compile.ir.lower import EXAMPLE_BATCH, EXAMPLE_TOKENS, lower
 from k3compile.ir.pass_manager import PassContext, PassManager
 from k3compile.modules.attn_res import source_plan
 from k3compile.modules.model import DEPTH_SITES
@@ -128,7 +128,7 @@ def test_every_site_mixes_the_planned_sources(wired):
         want = [[0] if not s.sublayers else [k + 1 for k in s.sublayers] for s in plan]
         assert got == want, f"site {site}"
         val = stack.meta["val"]
-        assert tuple(val.shape) == (len(plan), 2, 8, spec.hidden_size)
+        assert tuple(val.shape) == (len(plan), EXAMPLE_BATCH, EXAMPLE_TOKENS, spec.hidden_size)
 
 
 def test_statistics_and_parameters(wired):
