@@ -80,9 +80,12 @@ def _attention(gm: fx.GraphModule, mixes: list[fx.Node], ctx: PassContext) -> di
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
     mixes = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), DEPTH_SITES)]
-    if ctx.spec.residual.kind == "plain":
-        return _plain(gm, mixes)
-    return _attention(gm, mixes, ctx)
+    before = set(gm.graph.nodes)
+    stats = _plain(gm, mixes) if ctx.spec.residual.kind == "plain" else _attention(gm, mixes, ctx)
+    for n in gm.graph.nodes:  # the sums and stacks between sublayers (emission keeps them at the top level)
+        if n not in before and "origin" not in n.meta:
+            n.meta["depth"] = "residual stream"
+    return stats
 
 
 PASS = GraphPass(

@@ -20,8 +20,9 @@ from k3compile.modules.mla import MLAMixer
 from k3compile.modules.model import DEPTH_SITES, GRAPHS, K3Model, empty_caches
 from k3compile.spec.schema import Spec
 
-EXAMPLE_BATCH, EXAMPLE_TOKENS = 2, 8  # shapes used to verify graphs with fake tensors
-EXAMPLE_CACHE_LEN = 2 * EXAMPLE_TOKENS  # the example caches' MLA length: room for prefill and decode
+# Shapes used to verify graphs with fake tensors; sizes no model dimension is likely to share, so the
+# emitted code's shape comments can name them (B, T, S). Decode positions T .. T + B - 1 fit in S.
+EXAMPLE_BATCH, EXAMPLE_TOKENS, EXAMPLE_CACHE_LEN = 5, 11, 17
 MIXERS = (KDAMixer, MLAMixer)
 ENTRY = {"train": "forward", "prefill": "prefill", "decode": "decode"}
 

@@ -22,14 +22,30 @@ IGNORE_INDEX = -100
 def _put(root: nn.Module, name: str, tensor: Tensor, parameter: bool, persistent: bool = True) -> None:
     *parents, leaf = name.split(".")
     module = root
-    for part in parents:
-        if not hasattr(module, part):
-            module.add_module(part, nn.Module())
+    for k, part in enumerate(parents):
+        if not hasattr(module, part):  # `layers` holds numbered children: a ModuleList, so layers[3] works
+            numbered = k + 1 < len(parents) and parents[k + 1].isdigit()
+            module.add_module(part, nn.ModuleList() if numbered else nn.Module())
         module = getattr(module, part)
     if parameter:
         module.register_parameter(leaf, nn.Parameter(tensor))
     else:
         module.register_buffer(leaf, tensor, persistent=persistent)
+
+
+def layer_table(kinds: tuple, layers: tuple, top: tuple = (), tail: tuple = (), names: int = 1) -> tuple:
+    """A table the emitter wrote once per sublayer kind: the rows of `top`, then per layer i the rows of each
+    of its kinds (their first `names` fields prefixed with "layers.<i>."), then `tail`."""
+    rows = list(top)
+    for i, parts in enumerate(layers):
+        for kind in parts:
+            rows += [tuple(f"layers.{i}.{v}" if j < names else v for j, v in enumerate(row)) for row in kinds[kind]]
+    return tuple(rows) + tuple(tail)
+
+
+def packed_table(rows: tuple) -> dict:
+    """PACKED from (weight, data buffer, scale buffer, element format, block, weight shape) rows."""
+    return {w: {"data": d, "scale": s, "fmt": f, "block": b, "shape": list(shape)} for w, d, s, f, b, shape in rows}
 
 
 class GeneratedModule(nn.Module):
@@ -176,7 +192,8 @@ class InferenceModule(GeneratedModule):
     def _check_tokens(self, tokens: Tensor) -> None:
         if tokens.dim() != 2:
             raise ValueError(f"tokens must be [batch, time], got shape {tuple(tokens.shape)}")
-        if tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.spec.vocab_size):
+        on_host = tokens.device.type == "cpu"  # elsewhere reading the values would wait for the device
+        if on_host and tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.spec.vocab_size):
             raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
 
     def _activation_dtype(self) -> torch.dtype:
