@@ -166,7 +166,7 @@ def _cmd_diff(args) -> None:
 
 
 def _cmd_build(args) -> None:
-    from k3compile.build import BuildOptions, build, pipeline
+    from k3compile.build import GRAPHS_OF_MODE, MODES, BuildOptions, build, pipeline
     from k3compile.emit.package import BuildDirError
     from k3compile.ir.pass_manager import NumericsMismatch, PassFailure
     from k3compile.report import print_build
@@ -187,10 +187,10 @@ def _cmd_build(args) -> None:
     from rich.console import Console
     from rich.progress import Progress
 
-    modes = 2 if args.mode == "both" else 1
+    graphs = sum(len(GRAPHS_OF_MODE[m]) for m in (MODES if args.mode == "both" else (args.mode,)))
     console = Console(stderr=True)  # progress on a terminal's stderr only: stdout is the summary, stderr the errors
     with Progress(console=console, transient=True, disable=not console.is_terminal) as progress:
-        task = progress.add_task(f"building {spec.name}", total=modes * len(known))
+        task = progress.add_task(f"building {spec.name}", total=graphs * len(known))
         try:
             dest, manifest = build(
                 spec, args.out, options, on_pass=lambda name: progress.update(task, advance=1, description=name)

@@ -239,19 +239,33 @@ def _join(code: str, freed: list[str], comment: str) -> str:
     return code + (f";  {' = '.join(freed)} = None" if freed else "") + comment
 
 
+_NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*")  # a variable, not an attribute (`torch.stack` is not `stack`)
+_STACK = re.compile(r"^(\s*)(\w+) = (torch\.stack\(\[[\w, ]*\]\))(  #.*)?$")
+_LAYER = re.compile(r"^(\s*)(layer_\d+) = (layers\[\d+\])$")
+
+
 def inline_simple(text: str) -> str:
-    """Put parameter reads and cache lookups used exactly once straight into their use."""
+    """Put parameter reads, cache lookups and source stacks used exactly once straight into their use, and
+    read each layer as `layers[i]` where it is passed (no side effects move: these expressions are pure)."""
     lines = [_split(line) for line in text.splitlines()]
-    words = Counter(w for code, _, _ in lines for w in re.findall(r"\b\w+\b", code))
-    out, pending = [], {}
+    words = Counter(w for code, _, _ in lines for w in _NAME.findall(code))
+    out, pending, aliases = [], {}, {}
     for code, freed, comment in lines:
-        m = _SIMPLE.match(code + comment)
-        if m and words[m.group(2)] == 2:  # defined once, used once
-            pending[m.group(2)] = m.group(3)
+        layer = _LAYER.match(code)
+        if layer:
+            aliases[layer.group(2)] = layer.group(3)
             continue
-        for name in [n for n in pending if re.search(rf"\b{n}\b", code)]:
-            code = re.sub(rf"\b{name}\b", lambda _m, v=pending.pop(name): v, code)
-            freed = [f for f in freed if f != name]
+        m = _SIMPLE.match(code + comment) or _STACK.match(code + comment)
+        if m and words[m.group(2)] == 2:  # defined once, used once
+            pending[m.group(2)] = (m.group(3), freed)
+            continue
+        for name in [n for n in pending if re.search(rf"(?<![\w.]){n}\b", code)]:
+            expr, later = pending.pop(name)
+            code = re.sub(rf"(?<![\w.]){name}\b", lambda _m, v=expr: v, code)
+            freed = [f for f in freed if f != name] + later  # freeing later than before is always safe
+        for name in [n for n in aliases if re.search(rf"(?<![\w.]){n}\b", code)]:
+            code = re.sub(rf"(?<![\w.]){name}\b", aliases[name], code)
+        freed = [f for f in freed if f not in aliases]
         out.append(_join(code, freed, comment))
     return "\n".join(out)
 

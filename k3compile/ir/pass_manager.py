@@ -133,8 +133,7 @@ class PassManager:
             try:
                 stats = p.run(gm, ctx) or {}
                 eliminate_dead_code(gm)
-                gm.recompile()
-                verify_graph(gm, example_inputs)
+                verify_graph(gm, example_inputs)  # an interpreter run: the code is regenerated once, at the end
             except NumericsMismatch:
                 raise
             except Exception as e:
@@ -145,6 +144,7 @@ class PassManager:
                 record.max_rel_diff = self._check_numerics(p, ctx)
             self.records.append(record)
             self._dump(gm, i + 1, p.name)
+        gm.recompile()
         return gm
 
     def fork(self) -> "PassManager":
