@@ -7,8 +7,8 @@
 A step is forward + mean next-token loss + backward + the spec's optimizer step (Per-Head Muon), exactly as
 `k3compile train` runs it, on random bytes. Rows:
   emitted   the built package's Model (the bound fx graph as Python, QAT fake quantisation inside);
-  eager     k3compile.runtime.decoder.Decoder in train mode with the same weights: the same modules composed
-            by hand, experts at the spec's capacity, MX activation fake quantisation but fp32 expert weights;
+  eager     the model definition (k3compile.modules.model.K3Model) run eagerly in train mode with the same
+            weights, no passes: experts at the spec's capacity, no quantisation;
   compiled  torch.compile of the emitted Model (compile time reported separately, not in tokens/s).
 Columns: the first (warm-up) step, then medians over --steps of forward + backward, the optimizer step and
 the whole step; tokens/s = batch * seq / median step seconds. Nothing here is asserted on.
@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import k3compile
-from k3compile.runtime.decoder import Decoder
+from k3compile.modules.model import K3Model
 from k3compile.runtime.train import make_optimizer
 from k3compile.spec.load import load_spec
 
@@ -56,20 +56,15 @@ def emitted_loss(model, tokens):
 
 
 def eager_loss(model, tokens):
-    logits, _ = model(tokens)
+    logits = model(tokens)
     return F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), tokens[:, 1:].flatten())
 
 
-def eager_decoder(spec, state: dict) -> Decoder:
-    """The Decoder over the emitted Model's weights, in train mode at the spec's expert capacity."""
-    decoder = Decoder(spec)
-    missing, unexpected = decoder.load_state_dict(state, strict=False)
-    if missing:
-        raise SystemExit(f"the Decoder has weights the emitted Model lacks: {missing[:4]}")
-    for layer in decoder.layers:
-        if hasattr(layer, "moe"):
-            layer.moe.capacity_factor = spec.moe.capacity_factor  # the Decoder serves drop-free; train as the graph
-    return decoder.train()
+def eager_model(spec, state: dict) -> K3Model:
+    """The model definition over the emitted Model's weights, in train mode (the lowering input, no passes)."""
+    model = K3Model(spec, init=False)
+    model.load_state_dict(state, strict=True)
+    return model.train()
 
 
 def main() -> None:
@@ -107,7 +102,7 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
     state = {k: v.detach().clone() for k, v in emitted.state_dict().items()}
     rows: list[tuple[str, Callable[[], Callable[[], None]]]] = [
         ("emitted", lambda: trainer(emitted, emitted_loss, spec, tokens)),
-        ("eager", lambda: trainer(eager_decoder(spec, state), eager_loss, spec, tokens)),
+        ("eager", lambda: trainer(eager_model(spec, state), eager_loss, spec, tokens)),
     ]
     if compile_too:
 
