@@ -69,7 +69,7 @@ def default_name(hf_dir: Path) -> str:
     return name or "kimi-linear"
 
 
-def _ffn_prefixes(reader: ShardReader, spec: Spec):
+def ffn_prefixes(reader: ShardReader, spec: Spec):
     """Each layer's FFN module name as the checkpoint has it (`mlp` or `block_sparse_moe`; see layout)."""
     seen: dict[int, set[str]] = {}
     for n in reader.names:
@@ -192,7 +192,7 @@ def import_hf(
         )
         if reader is None:
             return HFImport(out, spec, None, [], 0)
-        pairs, orphans = tensor_pairs(spec, _ffn_prefixes(reader, spec))
+        pairs, orphans = tensor_pairs(spec, ffn_prefixes(reader, spec))
         if orphans:
             raise HFError(f"the spec has tensors Kimi Linear checkpoints lack: {', '.join(orphans[:4])}")
         check_tensors(reader, pairs, dtype)
