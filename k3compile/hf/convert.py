@@ -7,9 +7,9 @@
 
 Everything is checked before anything is written: the config (every field mapped or known), the
 shard files, every tensor's name, shape and dtype (headers only). Conversion then streams: tensors are
-made one at a time from memory-mapped shards (the routed experts of a layer stacked into one tensor),
-a shard is unmapped once its last tensor is converted, and the output is written a shard at a time,
-so the memory held is about one output shard plus one tensor. For an inference build whose policy
+read one at a time from the shards (the routed experts of a layer stacked into one tensor), a shard
+is closed once its last tensor is converted, and the output is written a shard at a time, so the
+memory held is about one output shard plus one tensor. For an inference build whose policy
 stores weights in MX formats, each such weight is packed as it is converted. The folder appears only
 when complete (written as a hidden sibling, then renamed).
 """

@@ -5,7 +5,8 @@ A folder holds `<stem>.safetensors`, or shards `<stem>-00001-of-0000N.safetensor
 Hugging Face checkpoints (stem `model`) and of `k3compile import-hf` output (stem `weights`).
 
 `ShardReader` reads every shard's header up front (names, shapes, dtypes) and a tensor's data only when
-asked, so a converter holds one tensor at a time; `release` unmaps a shard once it is done with.
+asked (with pread, so no shard is mapped into memory), so a converter holds one tensor at a time;
+`release` closes a shard once it is done with.
 `ShardWriter` keeps at most one shard of pending tensors (plus the one being added) before writing it.
 Only safetensors is read or written: never pickle.
 """
@@ -105,7 +106,7 @@ class ShardReader:
 
     def _open(self, file: str):
         try:
-            return safe_open(self.directory / file, framework="pt")
+            return safe_open(self.directory / file, framework="pt", backend="pread")
         except (SafetensorError, OSError) as e:
             raise ShardError(f"{self.directory / file} is not a readable safetensors file ({e})") from None
 
@@ -114,7 +115,7 @@ class ShardReader:
         return list(self.shard)
 
     def get(self, name: str) -> Tensor:
-        """The data of tensor `name` (its shard stays mapped until `release`)."""
+        """The data of tensor `name` (its shard stays open until `release`)."""
         file = self.shard[name]
         if file not in self._handles:
             self._handles[file] = self._open(file).__enter__()
@@ -124,7 +125,7 @@ class ShardReader:
             raise ShardError(f"{self.directory / file}: cannot read {name} ({e})") from None
 
     def release(self, files: Iterable[str]) -> None:
-        """Unmap shards no longer needed."""
+        """Close shards no longer needed."""
         for file in files:
             handle = self._handles.pop(file, None)
             if handle is not None:
