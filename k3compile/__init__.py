@@ -11,8 +11,19 @@ def load(path):
 
 
 def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
-          stop_after=None):
+          stop_after=None, init_from=None):
     """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train)."""
     from k3compile.runtime.train import train as _train
 
-    return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after)
+    return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from)
+
+
+def from_hf(hf_dir, out=None, *, name=None, mode="both", overrides=(), max_shard_bytes=None, spec_only=False):
+    """Import a Hugging Face Kimi Linear folder: spec, build and weights (k3compile.hf.convert.import_hf).
+
+    Returns an HFImport; `.model()` is the build's Model holding the imported weights.
+    """
+    from k3compile.hf.convert import import_hf
+
+    return import_hf(hf_dir, out, name=name, mode=mode, overrides=overrides, max_shard_bytes=max_shard_bytes,
+                     spec_only=spec_only)

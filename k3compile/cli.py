@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 from k3compile import __version__
@@ -40,6 +41,18 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
     return value
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+
+
+def _size(text: str) -> int:
+    """A byte count such as 5GB, 200MB, 64KiB or 1000000 (Hugging Face's decimal units)."""
+    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    unit = m and m.group(2).lower()
+    if m is None or unit not in _UNITS or int(m.group(1)) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 200MB or 1000000")
+    return int(m.group(1)) * _UNITS[unit]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -106,7 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         "training checkpoint (packed into the inference weights); without one, the seeded initial weights.",
     )
     p.add_argument("build", help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
-    p.add_argument("--checkpoint", help="a training checkpoint (default: the build's seeded initial weights)")
+    p.add_argument("--checkpoint", help="a training checkpoint or a weights folder such as import-hf's output "
+                   "(default: the build's seeded initial weights)")
     p.add_argument("--prompt", required=True, help="the prompt text (encoded as UTF-8 bytes)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens (bytes) to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
@@ -131,6 +145,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--eval-every", type=int, metavar="K", help="validate and checkpoint every K steps (default: steps // 6)")
     p.add_argument("--stop-after", type=int, metavar="N",
                    help="stop (with a checkpoint) after N steps of this invocation; --resume continues the schedule")
+    p.add_argument("--init-from", metavar="WEIGHTS",
+                   help="start from these weights instead of the seeded init: a weights folder (import-hf's output) "
+                   "or a checkpoint")
+
+    p = sub.add_parser(
+        "import-hf",
+        help="import a Hugging Face Kimi Linear checkpoint: spec, build and converted weights",
+        description="Read HF_DIR/config.json and write OUT/spec.yaml (the equivalent spec; a field k3compile cannot "
+        "express is an error naming it), build it into OUT/build/<name>/ and convert the safetensors shards into "
+        "OUT/weights.safetensors (sharded with an index past --max-shard-size) under the build's names, streaming "
+        "shard by shard. Everything is checked before anything is written; OUT appears only when complete.",
+    )
+    p.add_argument("hf_dir", metavar="HF_DIR", help="a folder with config.json and model.safetensors[.index.json]")
+    p.add_argument("-o", "--out", required=True, help="output folder (absent or empty)")
+    p.add_argument("--name", help="spec name (default: HF_DIR's folder name, lower case)")
+    p.add_argument("--mode", choices=("train", "infer", "both"), default="both",
+                   help="the build (default both); weights are named for the Model, or for the InferenceModel "
+                   "(MX-packed where the policy says so) with infer")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
+                   help="override a field of the imported spec (repeatable), e.g. --set target=h100")
+    p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+                   help="largest weights shard, e.g. 5GB (default), 200MB")
+    p.add_argument("--spec-only", action="store_true", help="write OUT/spec.yaml only, from config.json alone")
+
+    p = sub.add_parser(
+        "export-hf",
+        help="write a build and its weights as a Hugging Face Kimi Linear folder",
+        description="Write HF_DIR/config.json and the weights in Kimi Linear's published layout (model.safetensors, "
+        "sharded with model.safetensors.index.json past --max-shard-size), which transformers' "
+        "KimiLinearForCausalLM.from_pretrained loads. A spec feature Kimi Linear lacks is an error naming it.",
+    )
+    p.add_argument("build", help="a build folder with a training Model")
+    p.add_argument("--checkpoint", required=True, help="a training checkpoint or a weights folder (import-hf's output)")
+    p.add_argument("-o", "--out", required=True, help="output folder (absent or empty)")
+    p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
+                   help="largest shard, e.g. 5GB (default), 200MB")
     return parser
 
 
@@ -239,14 +289,41 @@ def _cmd_train(args) -> None:
 
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
-              eval_every=args.eval_every, stop_after=args.stop_after)
+              eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
 
 
+def _cmd_import_hf(args) -> None:
+    from k3compile.emit.package import BuildDirError
+    from k3compile.hf.convert import import_hf
+    from k3compile.ir.pass_manager import NumericsMismatch, PassFailure
+
+    try:
+        done = import_hf(args.hf_dir, args.out, name=args.name, mode=args.mode, overrides=args.overrides,
+                         max_shard_bytes=args.max_shard_size, spec_only=args.spec_only)
+    except (ValueError, PassFailure, NumericsMismatch, BuildDirError) as e:
+        raise UsageError(" ".join(str(e).split())) from None
+    print(f"spec:    {done.out / 'spec.yaml'}")
+    if args.spec_only:
+        return
+    print(f"build:   {done.build}")
+    print(f"weights: {done.tensors} tensors in {', '.join(p.name for p in done.weights)}")
+
+
+def _cmd_export_hf(args) -> None:
+    from k3compile.hf.export import export_hf
+
+    try:
+        files = export_hf(args.build, args.checkpoint, args.out, args.max_shard_size)
+    except ValueError as e:
+        raise UsageError(" ".join(str(e).split())) from None
+    print(f"wrote {args.out}: {', '.join(p.name for p in files)}")
+
+
 COMMANDS = {
     "stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
-    "train": _cmd_train,
+    "train": _cmd_train, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf,
 }
 
 

@@ -15,6 +15,7 @@ class MLAMixer(nn.Module):
     q = q_b_proj(q_a_norm(q_a_proj x)) or q_proj x; [c_kv, k_pe] = kv_a_proj x; c_kv is normed by
     kv_a_norm; k_nope and v come from kv_b_proj c_kv. k_pe is one vector shared by all heads,
     rotated (with q's rope part) only when `rope`. y = o_proj(attn * sigmoid(g_proj x)).
+    The latent norms use `latent_norm_eps` (None: `norm_eps`).
 
     Cache: a tensor [B, S, kv_lora_rank + qk_rope_head_dim] holding, per token, the NORMED c_kv
     and the (rotated, if rope) k_pe - nothing per head. forward(x, cache, start_pos) writes the new
@@ -40,6 +41,7 @@ class MLAMixer(nn.Module):
         rope_theta: float = 10000.0,
         output_gate: bool = True,
         norm_eps: float = 1e-5,
+        latent_norm_eps: float | None = None,
     ):
         super().__init__()
         if rope and qk_rope_head_dim % 2:
@@ -50,14 +52,15 @@ class MLAMixer(nn.Module):
         self.rope, self.rope_theta, self.output_gate = rope, rope_theta, output_gate
         self.scale = (qk_nope_head_dim + qk_rope_head_dim) ** -0.5
         dq = qk_nope_head_dim + qk_rope_head_dim
+        latent_eps = norm_eps if latent_norm_eps is None else latent_norm_eps
         if q_lora_rank:
             self.q_a_proj = nn.Linear(D, q_lora_rank, bias=False)
-            self.q_a_norm = RMSNorm(q_lora_rank, norm_eps)
+            self.q_a_norm = RMSNorm(q_lora_rank, latent_eps)
             self.q_b_proj = nn.Linear(q_lora_rank, H * dq, bias=False)
         else:
             self.q_proj = nn.Linear(D, H * dq, bias=False)
         self.kv_a_proj = nn.Linear(D, kv_lora_rank + qk_rope_head_dim, bias=False)
-        self.kv_a_norm = RMSNorm(kv_lora_rank, norm_eps)
+        self.kv_a_norm = RMSNorm(kv_lora_rank, latent_eps)
         self.kv_b_proj = nn.Linear(kv_lora_rank, H * (qk_nope_head_dim + v_head_dim), bias=False)
         if output_gate:
             self.g_proj = nn.Linear(D, H * v_head_dim, bias=False)

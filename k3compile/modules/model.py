@@ -67,6 +67,7 @@ def make_mixer(spec: Spec, layer: int) -> nn.Module:
         rope_theta=m.rope_theta,
         output_gate=m.output_gate,
         norm_eps=spec.norm_eps,
+        latent_norm_eps=m.latent_norm_eps,
     )
 
 

@@ -56,36 +56,45 @@ def read_training_state(
 ) -> dict[str, Tensor]:
     """The training Model's weights (names and shapes as `expected`) from a k3compile checkpoint of `spec`.
 
-    `checkpoint` is a checkpoint's JSON or tensor file, or a folder (the newest checkpoint in it or
-    in its `checkpoints/`). Extra tensors are accepted only as more state of modules the build has
-    (the router's balancing statistics); any other difference is a one-line error.
+    `checkpoint` is a checkpoint's JSON or tensor file, a folder (the newest checkpoint in it or
+    in its `checkpoints/`), or a weights folder (`k3compile import-hf` output). Extra tensors are
+    accepted only as more state of modules the build has (the router's balancing statistics); any
+    other difference is a one-line error.
     """
     from k3compile.runtime import checkpoint as ckpt_io
+    from k3compile.runtime import shards
 
     path = Path(checkpoint)
     if not path.exists():
         raise GenerateError(f"checkpoint {path} does not exist")
-    if path.suffix == ".safetensors":
-        path = path.with_suffix(".json")
-    if path.is_dir() and ckpt_io.latest(path) is None and ckpt_io.latest(path / "checkpoints") is not None:
-        path = path / "checkpoints"
-    try:
-        ckpt = ckpt_io.load(path)
-    except ckpt_io.CheckpointError as e:
-        raise GenerateError(_one_line(e)) from None
-    _check_architecture(ckpt.meta, ckpt.path, spec)
-    prefix = "model/"  # checkpoint.model_tensors' namespace for the model's parameters and buffers
-    state = {k[len(prefix) :]: v for k, v in ckpt.tensors.items() if k.startswith(prefix)}
+    if path.is_dir() and shards.holds(path, shards.WEIGHTS):
+        try:
+            meta, state = shards.read_weights(path)
+        except shards.ShardError as e:
+            raise GenerateError(_one_line(e)) from None
+    else:
+        if path.suffix == ".safetensors":
+            path = path.with_suffix(".json")
+        if path.is_dir() and ckpt_io.latest(path) is None and ckpt_io.latest(path / "checkpoints") is not None:
+            path = path / "checkpoints"
+        try:
+            ckpt = ckpt_io.load(path)
+        except ckpt_io.CheckpointError as e:
+            raise GenerateError(_one_line(e)) from None
+        path, meta = ckpt.path, ckpt.meta
+        prefix = "model/"  # checkpoint.model_tensors' namespace for the model's parameters and buffers
+        state = {k[len(prefix) :]: v for k, v in ckpt.tensors.items() if k.startswith(prefix)}
+    _check_architecture(meta, path, spec)
     modules = {k.rpartition(".")[0] for k in expected}
     found = {k: tuple(v.shape) for k, v in state.items() if k in expected or k.rpartition(".")[0] not in modules}
     problem = ckpt_io.mismatches(expected, found)
     if problem:
         raise GenerateError(
-            f"checkpoint {ckpt.path} (spec {ckpt.meta.get('spec_name', '?')!r}) does not match the build: {problem}"
+            f"checkpoint {path} (spec {meta.get('spec_name', '?')!r}) does not match the build: {problem}"
         )
     bad = next((k for k in expected if state[k].is_floating_point() and not torch.isfinite(state[k]).all()), None)
     if bad is not None:
-        raise GenerateError(f"checkpoint {ckpt.path} holds non-finite values in {bad}")
+        raise GenerateError(f"checkpoint {path} holds non-finite values in {bad}")
     return {k: state[k] for k in expected}
 
 
@@ -144,16 +153,23 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
 
     Without a checkpoint, the seeded initial weights. Every weight in InferenceModel.PACKED
     is MX-quantised into its `<w>_mx` / `<w>_scale` buffers; everything else is copied by name.
+    A weights folder written for the InferenceModel (`import-hf --mode infer`) loads as it is.
     """
+    from k3compile.runtime.shards import weights_class
+
     module = load_build(build)
     if not hasattr(module, "InferenceModel"):
         raise GenerateError(f"{build}: a train-only build has no InferenceModel; build with --mode infer or both")
     if checkpoint is None:
         return module.InferenceModel().eval()
     model = module.InferenceModel(device="meta")
-    state = read_training_state(checkpoint, _training_shapes(model), model.spec)
+    if weights_class(checkpoint) == "InferenceModel":
+        own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        state = read_training_state(checkpoint, own, model.spec)
+    else:
+        state = pack_training_state(model, read_training_state(checkpoint, _training_shapes(model), model.spec))
     model = model.to_empty(device="cpu")
-    model.load_state_dict(pack_training_state(model, state), strict=True)
+    model.load_state_dict(state, strict=True)
     return model.eval()
 
 

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 from k3compile.modules.init import initial_value
 from k3compile.modules.model import empty_caches
 from k3compile.spec.schema import Spec
+from k3compile.spec.weights import keeps_fp32
 
 IGNORE_INDEX = -100
 
@@ -49,7 +50,11 @@ def packed_table(rows: tuple) -> dict:
 
 
 class GeneratedModule(nn.Module):
-    """Creates the tables' tensors on `device`; off the meta device, initialises them from the spec."""
+    """Creates the tables' tensors on `device`; off the meta device, initialises them from the spec.
+
+    Parameters take `dtype`, except those the spec's `quantization.keep_fp32` names, which stay fp32 here and
+    under later casts to a narrower float (`.to(torch.bfloat16)`, `.half()`).
+    """
 
     SPEC_JSON: str
     PARAMETERS: tuple = ()
@@ -62,7 +67,8 @@ class GeneratedModule(nn.Module):
         device = torch.device(device or self.DEFAULT_DEVICE)
         self.spec = Spec.model_validate_json(self.SPEC_JSON)
         for name, shape, _ in self.PARAMETERS:
-            _put(self, name, torch.empty(shape, dtype=dtype, device=device), True)
+            dt = torch.float32 if keeps_fp32(self.spec, name) else dtype
+            _put(self, name, torch.empty(shape, dtype=dt, device=device), True)
         for name, shape, dt, persistent in self.BUFFERS:
             _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False, persistent)
         if device.type != "meta":
@@ -80,6 +86,21 @@ class GeneratedModule(nn.Module):
             data, scale = mx_quantize(initial_value(weight, tuple(pack["shape"]), self.spec), pack["fmt"], pack["block"])
             buffers[pack["data"]].copy_(data.view(buffers[pack["data"]].dtype))
             buffers[pack["scale"]].copy_(scale)
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: t.detach() for n, t in self.state_dict(keep_vars=True).items()
+                if t.dtype == torch.float32 and keeps_fp32(self.spec, n)}  # fmt: skip
+        out = super()._apply(fn, recurse)
+        for name, old in kept.items():  # follow the device move, keep the fp32 values
+            owner, _, leaf = name.rpartition(".")
+            module = self.get_submodule(owner)
+            new = getattr(module, leaf)
+            if new.is_floating_point() and torch.finfo(new.dtype).bits < 32:
+                if leaf in module._parameters:
+                    new.data = old.to(new.device)
+                else:
+                    module._buffers[leaf] = old.to(new.device)
+        return out
 
     def graph(self, tokens: Tensor) -> Tensor:  # replaced by the generated method
         raise NotImplementedError

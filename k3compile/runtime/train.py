@@ -441,6 +441,7 @@ def train(
     eval_every: int | None = None,
     progress: bool = True,
     stop_after: int | None = None,
+    init_from: str | Path | None = None,
 ) -> list[dict]:
     """Train the spec's (or build's) Model for `steps` optimizer steps in total; returns the metrics records.
 
@@ -448,7 +449,9 @@ def train(
     runs/<spec name>) with build/, checkpoints/ and metrics.jsonl; `resume`: continue from the newest
     checkpoint there; `overrides`: `a.b=value` spec overrides (only training.* for a build); `eval_every`:
     validate (and checkpoint) every this many steps; `stop_after`: end this call after that many steps
-    (with a checkpoint) so a later `resume=True` call continues the same schedule; `progress`: show a bar
+    (with a checkpoint) so a later `resume=True` call continues the same schedule; `init_from`: start from
+    these weights instead of the seeded init (a weights folder such as `k3compile import-hf` output, or a
+    checkpoint; resuming still restores the run's own checkpoint); `progress`: show a bar
     and messages on the console (False: silent). Records hold step, loss, lr, tokens_per_s, imbalance,
     dropped, grad_norm and, when validated, val_loss (nats per byte).
     """
@@ -472,7 +475,7 @@ def train(
         try:
             if package is None:
                 package = build_package(spec, out / "build", say)
-            run = _setup(spec, package, corpus, train_tokens, val_tokens, out)
+            run = _setup(spec, package, corpus, train_tokens, val_tokens, out, init_from)
         except BaseException:
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
@@ -480,13 +483,24 @@ def train(
         return _loop(run, steps, resume, eval_every or default_eval_every(steps), stop_after, display)
 
 
-def _setup(spec: Spec, package: ModuleType, corpus: Corpus, train_tokens: Tensor, val_tokens: Tensor, out: Path) -> Run:
+def _setup(
+    spec: Spec, package: ModuleType, corpus: Corpus, train_tokens: Tensor, val_tokens: Tensor, out: Path,
+    init_from: str | Path | None,
+) -> Run:  # fmt: skip
     t = spec.training
     torch.manual_seed(t.seed)
     model = package.Model()
     if model.spec.training.seed != t.seed:  # a build's init follows its own seed; re-init with the requested one
         model.spec = spec
         model.reset_parameters()
+    if init_from is not None:
+        from k3compile.runtime.generate import GenerateError, read_training_state
+
+        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        try:
+            model.load_state_dict(read_training_state(init_from, shapes, spec), strict=True)
+        except GenerateError as e:
+            raise TrainError(f"--init-from: {e}") from None
     model.train()
     named = list(model.named_parameters())
     return Run(

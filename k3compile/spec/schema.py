@@ -135,6 +135,13 @@ class MLA(_Frozen):
     rope: bool = Field(default=False, description="Apply rotary embeddings to the rope part (K3 and Kimi Linear: NoPE).")
     rope_theta: float = Field(default=10000.0, gt=0, description="RoPE base, used only when `rope` is true.")
     output_gate: bool = Field(default=True, description="Sigmoid output gate attn_out * sigmoid(W_g x) before o_proj.")
+    latent_norm_eps: float = Field(
+        default=1e-6,
+        gt=0,
+        le=1e-1,
+        description="Epsilon of the latent RMSNorms (q_a_norm, kv_a_norm); transformers' Kimi Linear and DeepSeek V3 "
+        "use 1e-6 whatever the model's norm_eps.",
+    )
 
     @model_validator(mode="after")
     def _qk_nonempty(self) -> "MLA":
@@ -277,6 +284,12 @@ class Quantization(_Frozen):
     block_size: Literal[16, 32, 64] = Field(default=32, description="MX block size (values sharing one E8M0 scale).")
     qat: bool = Field(default=False, description="Train with fake quantisation per the rules (straight-through).")
     rules: tuple[QuantRule, ...] = Field(default=(), description="Ordered rules; the first match wins.")
+    keep_fp32: tuple[Annotated[str, Field(pattern=GLOB_RE)], ...] = Field(
+        default=("*.router.weight", "*.router.bias", "*.A_log", "*.dt_bias"),
+        description="fnmatch globs over parameter and buffer names held in fp32 where the policy would store bf16 "
+        "(weight bytes, and models made or cast in bf16). The default is transformers' Kimi Linear convention: "
+        "router weight and selection bias, A_log and dt_bias (a bf16 router weight re-routes about 0.9% of tokens).",
+    )
 
 
 class Parallel(_Frozen):

@@ -63,6 +63,11 @@ def _format(spec: Spec, module: str, matmul: bool) -> str:
     return q.default_weight if q.default_weight not in MX_FORMATS else "bf16"
 
 
+def keeps_fp32(spec: Spec, name: str) -> bool:
+    """Whether tensor `name` (a parameter or buffer) is held in fp32 where the policy would store it in bf16."""
+    return any(fnmatch.fnmatchcase(name, glob) for glob in spec.quantization.keep_fp32)
+
+
 def activation_format(spec: Spec, module: str) -> str:
     """Format of the activations entering the matmul of `module` under the policy."""
     for rule in spec.quantization.rules:
@@ -79,6 +84,8 @@ class _Builder:
     def add(self, name, shape, component, *, matmul=False, active=1.0, layer=None):
         module = name.removesuffix(".weight")
         fmt = _format(self.spec, module, matmul)
+        if fmt == "bf16" and keeps_fp32(self.spec, name):
+            fmt = "fp32"
         self.out.append(Weight(name, tuple(shape), component, matmul, active, fmt, layer))
 
     def linear(self, name, out_dim, in_dim, component, **kw):

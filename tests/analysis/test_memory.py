@@ -9,6 +9,7 @@ from k3compile.analysis.memory import cache_bytes, expert_parallel, weight_bytes
 from k3compile.analysis.params import param_counts
 
 HAND_TOTAL, HAND_ROUTED = 168_740, 3 * 8 * 3 * 32 * 32  # tests/analysis/test_params.py
+HAND_FP32 = 3 * 8 * 64 + 2 * (2 + 32)  # quantization.keep_fp32: router weights (layers 1..3), A_log + dt_bias (KDA 0, 1)
 
 
 @pytest.mark.parametrize(
@@ -32,9 +33,9 @@ def test_storage_exact_small_cases():
 def test_hand_weight_bytes(hand_spec):
     w = weight_bytes(hand_spec)
     routed = HAND_ROUTED * 17 // 32  # 4.25 bits = 17 bytes per block of 32
-    rest = 2 * (HAND_TOTAL - HAND_ROUTED)
-    assert w["by_format"] == {"bf16": rest, "mxfp4": routed}
-    assert w["policy"] == rest + routed == 229_192
+    rest = 2 * (HAND_TOTAL - HAND_ROUTED - HAND_FP32)
+    assert w["by_format"] == {"bf16": rest, "fp32": 4 * HAND_FP32, "mxfp4": routed}
+    assert w["policy"] == rest + 4 * HAND_FP32 + routed == 232_400
     assert w["bf16"] == 2 * HAND_TOTAL
 
 
@@ -56,8 +57,10 @@ def test_k3_weight_bytes(k3_spec):
     w = weight_bytes(k3_spec)
     p = param_counts(k3_spec)
     routed = p["by_component"]["routed_experts"]["total"]
+    fp32 = p["by_component"]["router"]["total"] + 69 * (96 + 96 * 128)  # routers; A_log, dt_bias of 69 KDA layers
     assert w["by_format"]["mxfp4"] * 8 == routed * 4.25
-    assert w["by_format"]["bf16"] == 2 * (p["total"] - routed)
+    assert w["by_format"]["fp32"] == 4 * fp32  # quantization.keep_fp32
+    assert w["by_format"]["bf16"] == 2 * (p["total"] - routed - fp32)
     assert w["bf16"] == 2 * p["total"]
 
 
