@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3compile.kernels.norms import rms_norm_ref, upcast
+from k3compile.kernels.norms import as_dtype, rms_norm_ref, upcast
 
 
 def attn_res_ref(sources_SBTD: Tensor, query_D: Tensor, norm_weight_D: Tensor, eps: float) -> Tensor:
@@ -21,4 +21,4 @@ def attn_res_ref(sources_SBTD: Tensor, query_D: Tensor, norm_weight_D: Tensor, e
     v = upcast(sources_SBTD)
     logits_SBT = (rms_norm_ref(v, norm_weight_D, eps) * upcast(query_D)).sum(dim=-1)
     p_SBT = torch.softmax(logits_SBT, dim=0)
-    return (p_SBT.unsqueeze(-1) * v).sum(dim=0).to(sources_SBTD.dtype)
+    return as_dtype((p_SBT.view(*p_SBT.shape, 1) * v).sum(dim=0), sources_SBTD.dtype)

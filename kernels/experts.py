@@ -14,7 +14,7 @@ from torch import Tensor
 
 from k3compile.kernels.activations import situ_glu_ref, swiglu_ref
 from k3compile.kernels.mx import mx_dequantize_fast
-from k3compile.kernels.norms import upcast
+from k3compile.kernels.norms import as_dtype, upcast, upcast_dtype
 
 GLU_KINDS = ("situ_glu", "swiglu")
 
@@ -26,7 +26,14 @@ def check_glu_kind(kind: str) -> None:
 
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
-    return torch.promote_types(x.dtype, torch.float32)
+    return upcast_dtype(x.dtype)
+
+
+def _matmul_t(x: Tensor, w: Tensor) -> Tensor:
+    """x @ w^T over the leading dims; one bmm when both are 3-d with the same batch (what matmul runs then)."""
+    if x.dim() == 3 and w.dim() == 3 and x.shape[0] == w.shape[0]:
+        return torch.bmm(x, w.transpose(-1, -2))
+    return x @ w.transpose(-1, -2)
 
 
 def expert_glu_ref(
@@ -38,15 +45,15 @@ def expert_glu_ref(
     """
     check_glu_kind(kind)
     x = upcast(x_ECw)
-    gate = x @ upcast(w_gate_EIw).transpose(-1, -2)
-    up = x @ upcast(w_up_EIw).transpose(-1, -2)
+    gate = _matmul_t(x, upcast(w_gate_EIw))
+    up = _matmul_t(x, upcast(w_up_EIw))
     hidden = situ_glu_ref(gate, up, beta1, beta2) if kind == "situ_glu" else swiglu_ref(gate, up)
-    return hidden.to(x_ECw.dtype)
+    return as_dtype(hidden, x_ECw.dtype)
 
 
 def expert_matmul_ref(x_ECI: Tensor, w_EwI: Tensor) -> Tensor:
     """x @ w^T per expert: [E, C, I] x [E, w, I] -> [E, C, w], fp32 accumulation."""
-    return (upcast(x_ECI) @ upcast(w_EwI).transpose(-1, -2)).to(x_ECI.dtype)
+    return as_dtype(_matmul_t(upcast(x_ECI), upcast(w_EwI)), x_ECI.dtype)
 
 
 def mx_expert_glu_ref(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 
@@ -9,9 +10,17 @@ from k3compile.kernels.activations import situ_glu_ref, swiglu_ref
 from k3compile.kernels.moe import route_ref
 
 
+def linear(x: Tensor, w: Tensor) -> Tensor:
+    """F.linear(x, w) without a bias, as the one mm it runs for a contiguous x (fewer wrapper calls)."""
+    if not x.is_contiguous() or x.dim() < 2:
+        return F.linear(x, w)
+    y = torch.mm(x.view(-1, x.shape[-1]), w.transpose(0, 1))
+    return y if x.dim() == 2 else y.view(*x.shape[:-1], w.shape[0])
+
+
 def linear_glu_ref(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
     """act(x W_gate^T, x W_up^T) for kind 'situ_glu' (with its betas) or 'swiglu'."""
-    gate, up = F.linear(x, w_gate), F.linear(x, w_up)
+    gate, up = linear(x, w_gate), linear(x, w_up)
     if kind == "situ_glu":
         return situ_glu_ref(gate, up, beta1, beta2)
     if kind == "swiglu":
@@ -23,4 +32,4 @@ def linear_route_ref(
     x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool, routed_scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits x W^T, scoring, selection bias and top-k in one op (the router's `route` after its matmul)."""
-    return route_ref(F.linear(x, weight), bias, top_k, scoring, renormalize, routed_scale)
+    return route_ref(linear(x, weight), bias, top_k, scoring, renormalize, routed_scale)

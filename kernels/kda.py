@@ -21,12 +21,24 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from k3compile.kernels.consts import const
+
 DECAY_FORMS = ("lower_bounded_sigmoid", "softplus")
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
     """fp32, or float64 when the inputs are float64 (gradcheck)."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t.to(dtype) without dispatching the no-op cast."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
+def _shaped(t: Tensor, *shape: int) -> Tensor:
+    """t.reshape(shape), as the one view it is for a contiguous t."""
+    return t.view(shape) if t.is_contiguous() else t.reshape(shape)
 
 
 def _initial_state(q_BTHK: Tensor, v_BTHV: Tensor, state_BHKV: Tensor | None, dtype: torch.dtype) -> Tensor:
@@ -77,11 +89,18 @@ def kda_step_ref(
     state_BHKV: Tensor,
     scale: float,
 ) -> tuple[Tensor, Tensor]:
-    """One decode step in the compute dtype: returns (o_BHV, new state). Inputs must already be upcast."""
-    S = state_BHKV * torch.exp(g_BHK)[..., None]
-    residual_BHV = v_BHV - torch.einsum("bhk,bhkv->bhv", k_BHK, S)
-    S = S + (beta_BH[..., None] * k_BHK)[..., :, None] * residual_BHV[..., None, :]
-    o_BHV = torch.einsum("bhk,bhkv->bhv", q_BHK * scale, S)
+    """One decode step in the compute dtype: returns (o_BHV, new state). Inputs must already be upcast.
+
+    The two contractions over K are batched matrix-vector products, one bmm each over the B*H heads
+    (what einsum("bhk,bhkv->bhv") runs, without its permutes).
+    """
+    B, H, K = k_BHK.shape
+    V = v_BHV.shape[-1]
+    S = state_BHKV * torch.exp(g_BHK).view(B, H, K, 1)  # views, not unsqueezes: fresh tensors, one call each
+    residual_BHV = v_BHV - torch.bmm(_shaped(k_BHK, B * H, 1, K), _shaped(S, B * H, K, V)).view(B, H, V)
+    S = torch.addcmul(S, (beta_BH.view(B, H, 1) * k_BHK).view(B, H, K, 1), residual_BHV.view(B, H, 1, V))
+    q_n1K = _shaped(q_BHK * const(scale, q_BHK), B * H, 1, K)
+    o_BHV = torch.bmm(q_n1K, _shaped(S, B * H, K, V)).view(B, H, V)
     return o_BHV, S
 
 
@@ -97,9 +116,9 @@ def kda_decode_step_ref(
     """Fused single-token KDA step for decoding: (o_BHV in v's dtype, new fp32 state)."""
     dtype = _compute_dtype(q_BHK)
     scale = q_BHK.shape[-1] ** -0.5 if scale is None else scale
-    q, k, v, g, beta = (t.to(dtype) for t in (q_BHK, k_BHK, v_BHV, g_BHK, beta_BH))
-    o, S = kda_step_ref(q, k, v, g, beta, state_BHKV.to(dtype), scale)
-    return o.to(v_BHV.dtype), S
+    q, k, v, g, beta, state = (_as(t, dtype) for t in (q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV))
+    o, S = kda_step_ref(q, k, v, g, beta, state, scale)
+    return _as(o, v_BHV.dtype), S
 
 
 def kda_recurrent_ref(
@@ -513,6 +532,8 @@ def kda_chunk_ref(
 
 def gate_dtype(f: Tensor) -> torch.dtype:
     """The decay gate is fp32 whatever the activations are (float64 stays float64 for gradchecks)."""
+    if f.dtype == torch.float32 or f.dtype == torch.float64:
+        return f.dtype
     return torch.promote_types(f.dtype, torch.float32)
 
 
@@ -526,11 +547,10 @@ def kda_gate_ref(
     """
     H, K = f_BTHK.shape[-2:]
     dtype = gate_dtype(f_BTHK)
-    x = f_BTHK.to(dtype) + dt_bias_P.to(dtype).view(H, K)
-    a = torch.exp(A_log_H.to(dtype))[:, None]
+    x = _as(f_BTHK, dtype) + _as(dt_bias_P, dtype).view(H, K)
+    a = torch.exp(_as(A_log_H, dtype)).view(H, 1)
     if form == "lower_bounded_sigmoid":
-        return lower_bound * torch.sigmoid(a * x)
+        return const(lower_bound, x) * torch.sigmoid(a * x)
     if form == "softplus":
         return -a * F.softplus(x)
     raise ValueError(f"unknown KDA decay form {form!r}; expected one of {DECAY_FORMS}")
-

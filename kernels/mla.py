@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3compile.kernels.norms import upcast
+from k3compile.kernels.consts import cached, const
+from k3compile.kernels.norms import as_dtype, upcast
 
 
 def rope_ref(x: Tensor, start_pos: int, theta: float) -> Tensor:
@@ -71,17 +72,47 @@ def mla_decode_absorbed_ref(
     after attention (o = W_uv (P c_kv)). Same result as the expanded form, O(S * C) per query.
     lengths_B (int64), when given, is how many leading cache rows of each sequence are valid.
     """
-    H, K = q_BTHK.shape[2], q_BTHK.shape[3]
+    B, T, H, K = q_BTHK.shape
+    S = latent_BSC.shape[1]
     L = w_kvb.shape[1]
     R = latent_BSC.shape[-1] - L
     N = K - R
-    w = upcast(w_kvb).view(H, -1, L)
-    w_uk, w_uv = w[:, :N], w[:, N:]
-    q = upcast(q_BTHK)
+    w = _shaped(upcast(w_kvb), H, -1, L)
+    w_uk_HNL, w_uv_HVL = w[:, :N], w[:, N:]
+    q_nHK = _shaped(upcast(q_BTHK), B * T, H, K)  # n = (b, t)
     lat = upcast(latent_BSC)
-    c_kv, k_pe = lat[..., :L], lat[..., L:]
-    q_lat = torch.einsum("bthn,hnl->bthl", q[..., :N], w_uk)
-    scores = torch.einsum("bthl,bsl->bhts", q_lat, c_kv) + torch.einsum("bthr,bsr->bhts", q[..., N:], k_pe)
-    p = _causal_softmax(scores * scale, lengths_B)
-    o_lat = torch.einsum("bhts,bsl->bthl", p, c_kv)
-    return torch.einsum("bthl,hvl->bthv", o_lat, w_uv).to(q_BTHK.dtype).contiguous()
+    # Heads as the bmm batch: q_lat = q_nope W_uk per head; then [q_lat, q_pe] . [c_kv, k_pe] in one bmm.
+    q_lat_HnL = torch.bmm(q_nHK[..., :N].transpose(0, 1), w_uk_HNL)
+    q_BMC = torch.cat([q_lat_HnL.transpose(0, 1), q_nHK[..., N:]], dim=-1).view(B, T * H, L + R)  # m = (t, h)
+    scores_BTHS = (torch.bmm(q_BMC, lat.transpose(1, 2)) * const(scale, lat)).view(B, T, H, S)
+    hidden = _hidden_keys(T, S, lengths_B, lat)
+    if hidden is not None:
+        scores_BTHS = scores_BTHS.masked_fill_(hidden, float("-inf"))
+    p_BMS = torch.softmax(scores_BTHS, dim=-1).view(B, T * H, S)
+    o_lat_HnL = torch.bmm(p_BMS, lat[..., :L]).view(B * T, H, L).transpose(0, 1)
+    o_nHV = torch.bmm(o_lat_HnL, w_uv_HVL.transpose(1, 2)).transpose(0, 1)
+    return as_dtype(o_nHV, q_BTHK.dtype).contiguous().view(B, T, H, -1)
+
+
+def _shaped(t: Tensor, *shape: int) -> Tensor:
+    """t.reshape(shape), as the one view it is for a contiguous t."""
+    return t.view(shape) if t.is_contiguous() else t.reshape(shape)
+
+
+def _hidden_keys(T: int, S: int, lengths_B: Tensor | None, like: Tensor) -> Tensor | None:
+    """The causal mask of `_causal_softmax` as the keys each query must not see, [B or 1, T, 1, S] bool
+    (None when every key is visible: one query over a full cache).
+
+    Query t of sequence b sits at position lengths[b] - T + t (S - T + t without lengths) and hides key s
+    when s - t > lengths[b] - T.
+    """
+    if lengths_B is None:
+        if T == 1:
+            return None
+        return cached(("mla_hidden", T, S), like, lambda: _key_minus_query(T, S, like.device).gt(S - T)[None, :, None])
+    offs_TS = cached(("mla_offsets", T, S), like, lambda: _key_minus_query(T, S, like.device))
+    return (offs_TS > (lengths_B - const(T, lengths_B)).view(-1, 1, 1)).unsqueeze(2)
+
+
+def _key_minus_query(T: int, S: int, device: torch.device) -> Tensor:
+    return torch.arange(S, device=device)[None, :] - torch.arange(T, device=device)[:, None]

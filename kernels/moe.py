@@ -12,6 +12,9 @@ import math
 import torch
 from torch import Tensor
 
+from k3compile.kernels.consts import cached, const
+from k3compile.kernels.norms import as_dtype, upcast, upcast_dtype
+
 
 def route_ref(
     logits_TE: Tensor, bias_E: Tensor | None, top_k: int, scoring: str, renormalize: bool, routed_scale: float
@@ -22,19 +25,21 @@ def route_ref(
     stays float64). The bias only chooses experts, it never enters the weights; weights are the chosen
     scores, divided by their sum when `renormalize`, times `routed_scale`.
     """
-    logits = logits_TE.to(torch.promote_types(logits_TE.dtype, torch.float32))
+    logits = upcast(logits_TE)
     if scoring == "sigmoid":
         scores = torch.sigmoid(logits)
     elif scoring == "softmax":
         scores = torch.softmax(logits, dim=-1)
     else:
         raise ValueError(f"scoring must be 'sigmoid' or 'softmax', got {scoring!r}")
-    choice = scores if bias_E is None else scores + bias_E.to(scores.dtype)
+    choice = scores if bias_E is None else scores + as_dtype(bias_E, scores.dtype)
     indices = torch.topk(choice, top_k, dim=-1).indices
     weights = scores.gather(-1, indices)
     if renormalize:
         weights = weights / weights.sum(-1, keepdim=True).clamp_min(1e-20)
-    return weights * routed_scale, indices, scores
+    if routed_scale == 1.0:  # x * 1.0 is x
+        return weights, indices, scores
+    return weights * const(routed_scale, weights), indices, scores
 
 
 def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
@@ -92,13 +97,23 @@ def dispatch_ref(
     return buffer, slots, load, dropped
 
 
+def _shaped(t: Tensor, *shape: int) -> Tensor:
+    """t.reshape(shape), as the one view it is for a contiguous t."""
+    return t.view(shape) if t.is_contiguous() else t.reshape(shape)
+
+
 def combine_ref(out_ECD: Tensor, weights_TK: Tensor, slots_TK: Tensor) -> Tensor:
     """y_t = sum_k w_tk * out[slot_tk]; dropped choices (slot E*C) contribute zero. Sums in fp32.
 
     Returns [T, D] in out's dtype.
     """
     e, c, d = out_ECD.shape
-    acc = torch.promote_types(out_ECD.dtype, torch.float32)
-    flat = torch.cat([out_ECD.reshape(e * c, d), out_ECD.new_zeros(1, d)])
-    gathered = flat[slots_TK].to(acc)  # [T, K, D]
-    return torch.einsum("tk,tkd->td", weights_TK.to(acc), gathered).to(out_ECD.dtype)
+    t, k = slots_TK.shape
+    acc = upcast_dtype(out_ECD.dtype)
+    dtype, device = out_ECD.dtype, out_ECD.device
+    zero = cached(("moe_zero_row", d, dtype), out_ECD, lambda: torch.zeros(1, d, dtype=dtype, device=device))
+    flat = torch.cat([_shaped(out_ECD, e * c, d), zero])
+    gathered = as_dtype(flat.index_select(0, _shaped(slots_TK, t * k)), acc).view(t, k, d)
+    # sum_k w_tk * out[slot_tk]: a [1, K] x [K, D] product per token, the bmm einsum("tk,tkd->td") runs
+    y = torch.bmm(_shaped(as_dtype(weights_TK, acc), t, 1, k), gathered).view(t, d)
+    return as_dtype(y, out_ECD.dtype)

@@ -35,6 +35,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from k3compile.kernels.consts import cached, const
+
 
 class MXFormat(NamedTuple):
     """Element format parameters: width in bits, mantissa bits, min normal exponent, max exponent, max value."""
@@ -202,11 +204,14 @@ def mx_linear_ref(
 
 # ---------------------------------------------------------------------------------------------
 # Fast path: the same bits as the reference for fp32 / bf16 / fp16, in fp32 without float64.
+# Every Python number below enters the arithmetic as a cached 0-dim tensor (`const`): the same bits as a
+# wrapped scalar, without an allocation and a cast per operand, which dominate the small tensors of decoding.
 
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _EXP_MASK = 0x7F800000  # fp32 exponent field
 _TWO_POW_M127 = 0x00400000  # bits of 2^-127, the one E8M0 scale below fp32's normals
 _CHUNK = 1 << 18  # elements per rounding pass: a bounded int32 scratch (fresh pages cost), few passes
+_SMALL = 1 << 10  # up to this many elements (a decoding step's activations) take the fewest-calls forms
 # Decoding tables, payload byte -> fp32 values: the e2m1 pair (low nibble, high nibble), or the fp8 value.
 _BYTES = torch.arange(256, dtype=torch.uint8)
 _DECODE = {"e2m1": decode_e2m1(unpack_e2m1(_BYTES)).view(256, 2).float()}
@@ -218,23 +223,51 @@ def _f32(bits: Tensor) -> Tensor:
     return bits.view(torch.float32)
 
 
+def _i32(value: int, like: Tensor):
+    return const(value, like, torch.int32)
+
+
 def _e8m0_factor(b: Tensor) -> Tensor:
     """fp32 2^(b - 127) for E8M0 bytes b (int32), NaN for 0xFF; exact, 2^-127 included."""
     bits = torch.where(b == 0, _TWO_POW_M127, b << 23)
     return torch.where(b == E8M0_NAN, torch.nan, _f32(bits))
 
 
-def _fast_scales(xb: Tensor, f: MXFormat) -> tuple[Tensor, Tensor]:
-    """E8M0 bytes (int32, 0xFF for NaN/Inf blocks) and 2^-shared of fp32 blocks xb [..., nb, block].
+def _scaled_table(fmt: str, like: Tensor) -> Tensor:
+    """Decoded payload byte times its block's scale, for every (scale byte, payload byte): [65536] values.
+
+    Row s * 256 + d holds decode(d) * 2^(s - 127) in fp32 (NaN for s = 0xFF): exact, see
+    `mx_dequantize_fast`. e2m1 rows hold both nibbles' values, an fp32 pair viewed as one int64, so one
+    gather decodes a byte. Built once per format and like's device (512 KiB for e2m1, 256 KiB for fp8).
+    """
+    def make() -> Tensor:
+        factor = _e8m0_factor(torch.arange(256, dtype=torch.int32))  # [256] by scale byte
+        elems = _DECODE[fmt]  # [256, 2] or [256]
+        scaled = factor.view(256, 1, *([1] * (elems.dim() - 1))) * elems  # [256 scale, 256 payload(, 2)]
+        scaled = scaled.reshape(65536, -1).contiguous()
+        table = scaled.view(torch.int64).view(65536) if fmt == "e2m1" else scaled.view(65536)
+        return table.to(like.device)
+
+    return cached(("mx_scaled", fmt), like, make)
+
+
+def _fast_scales(xb: Tensor, f: MXFormat) -> tuple[Tensor, Tensor, Tensor]:
+    """Block amax (fp32, NaN/Inf for NaN/Inf blocks), the E8M0 byte << 23 (int32) and 2^-shared (fp32) of
+    fp32 blocks xb [..., nb, block], all [..., nb, 1].
 
     With E the exponent field of amax, floor(log2 amax) = E - 127 for a normal amax, so the byte
     shared + 127 = max(E - emax, 0): a subnormal or zero amax clamps to 0, and E <= 254 keeps the byte
-    <= 252 (the upper clamp never fires for fp32). 2^-shared = 2^(127 - byte) is a normal fp32.
+    <= 252 (the upper clamp never fires for fp32). 2^-shared = 2^(127 - byte) is a normal fp32. NaN/Inf
+    blocks (E = 255) get finite junk in both; the callers discard or NaN those blocks by their amax.
     """
-    amax = torch.maximum(xb.amax(dim=-1, keepdim=True), xb.amin(dim=-1, keepdim=True).neg_())  # NaN propagates
-    b = ((amax.view(torch.int32) >> 23) - f.emax).clamp_(0, 252)
-    inv_scale = _f32((254 - b) << 23)  # finite junk for NaN/Inf blocks, whose elements the callers discard
-    return b.masked_fill_(~torch.isfinite(amax), E8M0_NAN), inv_scale
+    if xb.numel() <= _SMALL:  # max |x|, exact, NaN propagating: one call, but slow beyond a few blocks
+        amax = torch.linalg.vector_norm(xb, float("inf"), dim=-1, keepdim=True)
+    else:
+        amax = xb.abs().amax(dim=-1, keepdim=True)
+    e = torch.bitwise_and(amax.view(torch.int32), _i32(_EXP_MASK, amax))  # E << 23
+    byte_bits = e.sub_(_i32(f.emax << 23, e)).clamp_min_(_i32(0, e))
+    inv_scale = _f32(torch.sub(_i32(254 << 23, e), byte_bits))
+    return amax, byte_bits, inv_scale
 
 
 def _round_to_grid_(m: Tensor, f: MXFormat) -> Tensor:
@@ -244,29 +277,36 @@ def _round_to_grid_(m: Tensor, f: MXFormat) -> Tensor:
     to 2^emin and scaled: a normal power of two. So m / ulp is exact (bar fp32 underflow of values that
     round to a signed 0 either way), torch.round is half-to-even, and times ulp is exact: one rounding.
     """
+    mask, lowest, step = _i32(_EXP_MASK, m), 2.0**f.emin, const(2.0**-f.mbits, m)  # clamp_min_ takes a float as is
+    if m.numel() <= _CHUNK:  # one pass, no scratch (decoding's small tensors)
+        ulp = _f32(torch.bitwise_and(m.view(torch.int32), mask)).clamp_min_(lowest).mul_(step)
+        return m.div_(ulp).round_().mul_(ulp)
     flat = m.view(-1)
-    scratch = torch.empty(min(_CHUNK, flat.numel()), dtype=torch.int32, device=m.device)
+    scratch = torch.empty(_CHUNK, dtype=torch.int32, device=m.device)
     for start in range(0, flat.numel(), _CHUNK):
         v = flat[start : start + _CHUNK]
-        ulp = _f32(torch.bitwise_and(v.view(torch.int32), _EXP_MASK, out=scratch[: v.numel()]))
-        ulp.clamp_(min=2.0**f.emin).mul_(2.0**-f.mbits)
+        ulp = _f32(torch.bitwise_and(v.view(torch.int32), mask, out=scratch[: v.numel()]))
+        ulp.clamp_min_(lowest).mul_(step)
         v.div_(ulp).round_().mul_(ulp)
     return m
 
 
-def _fast_elements(x: Tensor, f: MXFormat, block: int) -> tuple[Tensor, Tensor]:
-    """(element values [..., nb, block] fp32 on the grid, signed; E8M0 bytes int32 [..., nb, 1]).
+def _fast_elements(x: Tensor, f: MXFormat, block: int) -> tuple[Tensor, Tensor, Tensor]:
+    """(element values [..., nb, block] fp32 on the grid, signed; block amax and E8M0 byte << 23, [..., nb, 1]).
 
     Exact in fp32 because x is fp32-representable: m = x * 2^-shared with -shared in [-125, 127] is exact
     unless |m| < 2^-126, far below half the smallest element step, where both round to the same signed 0;
     |m| < 2^(emax+1), and saturating to +-max before rounding gives what saturating after it does.
     Elements of NaN/Inf blocks are junk: the callers zero (payload) or NaN (fake-quant) the whole block.
     """
-    xf = x.to(torch.float32).contiguous()
-    xb = xf.unflatten(-1, (-1, block))
-    b, inv_scale = _fast_scales(xb, f)
-    m = xb * inv_scale if xf is x else xb.mul_(inv_scale)  # xf is a fresh copy unless x was contiguous fp32
-    return _round_to_grid_(m.clamp_(-f.max, f.max), f), b
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
+    *lead, n = xf.shape
+    xb = xf.view(*lead, n // block, block)
+    amax, byte_bits, inv_scale = _fast_scales(xb, f)
+    m = torch.mul(xb, inv_scale) if xf is x else xb.mul_(inv_scale)  # xf is a fresh copy unless x was contiguous fp32
+    return _round_to_grid_(m.clamp_min_(-f.max).clamp_max_(f.max), f), amax, byte_bits  # scalar clamps: no cast
 
 
 def _e2m1_codes_fast(q: Tensor) -> Tensor:
@@ -285,7 +325,8 @@ def mx_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tens
     f = check_mx_shape(x.shape[-1], fmt, block)
     if x.dtype not in FAST_DTYPES:
         return mx_quantize_ref(x, fmt, block)
-    q, b = _fast_elements(x, f, block)
+    q, amax, byte_bits = _fast_elements(x, f, block)
+    b = byte_bits.bitwise_right_shift_(23).masked_fill_(~torch.isfinite(amax), E8M0_NAN)
     finite = b != E8M0_NAN  # NaN/Inf blocks get an all-zero payload
     scale = b.squeeze(-1).to(torch.uint8)
     if f.bits == 4:
@@ -302,26 +343,42 @@ def mx_dequantize_fast(
 
     Element times 2^(scale - 127) is exact in fp32 (at least 2^-143, at most 6 or 57344 * 2^127, where an
     overflow rounds to Inf as the float64 route's cast does), so the one rounding to `dtype` is the same.
+    The products come from one table gathered at scale byte * 256 + payload byte (`_scaled_table`).
     """
     if dtype not in FAST_DTYPES:
         return mx_dequantize_ref(data, scale, fmt, block, dtype)
-    mx_dequant_meta(data.shape, scale.shape, fmt, block)
-    byte = data.view(torch.uint8).reshape(-1).to(torch.int32)
-    elems = _DECODE[fmt].to(data.device).index_select(0, byte).view(*data.shape[:-1], -1)  # a gather beats casts
-    factor = _e8m0_factor(scale.to(torch.int32).unsqueeze(-1))
-    return (elems.unflatten(-1, (-1, block)) * factor).flatten(-2).to(dtype)
+    out_shape = mx_dequant_meta(data.shape, scale.shape, fmt, block)
+    per_byte = 2 if mx_format(fmt).bits == 4 else 1
+    if block % per_byte:  # an e2m1 byte straddling two blocks: decode and scale apart
+        byte = data.view(torch.uint8).reshape(-1).to(torch.int32)
+        elems = _DECODE[fmt].to(data.device).index_select(0, byte).view(*data.shape[:-1], -1)
+        factor = _e8m0_factor(scale.to(torch.int32).unsqueeze(-1))
+        return (elems.unflatten(-1, (-1, block)) * factor).flatten(-2).to(dtype)
+    lead, nb = data.shape[:-1], scale.shape[-1]
+    # index = scale byte * 256 + payload byte, in int32: the payload copied in (one cast), the scale added in
+    # (copy_ casts as it copies: one call fewer than .to, and two fewer than an add_ of a uint8 operand)
+    index = torch.empty(data.shape, dtype=torch.int32, device=data.device)
+    index.copy_(data if data.dtype == torch.uint8 else data.view(torch.uint8))
+    row = torch.empty((*scale.shape, 1), dtype=torch.int32, device=scale.device).copy_(scale.view(*scale.shape, 1))
+    index = index.view(*lead, nb, block // per_byte).add_(row, alpha=256)
+    values = _scaled_table(fmt, data).index_select(0, index.view(-1))
+    values = (values.view(torch.float32) if per_byte == 2 else values).view(out_shape)
+    return values if dtype == torch.float32 else values.to(dtype)
 
 
 def mx_fake_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> Tensor:
     """`mx_fake_quantize_ref` with the same bits in one fp32 pass (no packed payload), for QAT.
 
-    Element value times 2^shared is exact in fp32 (see `mx_dequantize_fast`); NaN/Inf blocks give NaN.
+    Element value times 2^shared is exact in fp32 (see `mx_dequantize_fast`). 2^shared is 2^-127 when the
+    byte is 0, else the byte's bits; amax * 0 (0, or NaN for a NaN/Inf block) added to it NaNs those blocks.
     """
     f = check_mx_shape(x.shape[-1], fmt, block)
     if x.dtype not in FAST_DTYPES:
         return mx_fake_quantize_ref(x, fmt, block)
-    q, b = _fast_elements(x, f, block)
-    return q.mul_(_e8m0_factor(b)).flatten(-2).to(x.dtype)
+    q, amax, byte_bits = _fast_elements(x, f, block)
+    factor = torch.addcmul(_f32(byte_bits.clamp_min_(_i32(_TWO_POW_M127, byte_bits))), amax, const(0.0, amax))
+    y = q.mul_(factor).view(x.shape)
+    return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def mx_linear_fast(
@@ -330,7 +387,8 @@ def mx_linear_fast(
     """`mx_linear_ref` on the fast dequantise / fake-quantise (identical operands, so identical result)."""
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     w = mx_dequantize_fast(data, scale, fmt, block, acc)
-    xa = x.to(acc)
+    xa = x if x.dtype == acc else x.to(acc)
     if act_fmt is not None:
         xa = mx_fake_quantize_fast(xa, act_fmt, block)
-    return (xa @ w.T).to(x.dtype)
+    y = xa @ w.T
+    return y if y.dtype == x.dtype else y.to(x.dtype)

@@ -15,19 +15,35 @@ from torch import Tensor
 def short_conv_ref(
     x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    """SiLU(causal depthwise conv(x)) in fp32 (float64 for float64 inputs): (y_BTC in x's dtype, state_BC(W-1))."""
+    """SiLU(causal depthwise conv(x)) in fp32 (float64 for float64 inputs): (y_BTC in x's dtype, state_BC(W-1)).
+
+    One decoding token (T = 1 with a state) is the window [state, x] times the taps, summed: no conv call.
+    """
     dtype = torch.float64 if x_BTC.dtype == torch.float64 else torch.float32
     B, T, C = x_BTC.shape
     W = weight_CW.shape[-1]
-    x_BCT = x_BTC.to(dtype).transpose(1, 2)
+    if T == 1 and initial_state_BCW is not None and W > 1:
+        history = _as(initial_state_BCW, dtype)
+        x_BTC_ = _as(x_BTC, dtype)
+        x_BC1 = x_BTC_.view(B, C, 1) if x_BTC_.is_contiguous() else x_BTC_.reshape(B, C, 1)
+        window_BCW = torch.cat([history, x_BC1], dim=-1)  # [B, C, W]
+        y_BTC = F.silu((window_BCW * _as(weight_CW, dtype)).sum(-1)).view(B, 1, C)
+        state = torch.narrow_copy(window_BCW, -1, 1, W - 1)  # the last W-1 inputs, a fresh contiguous tensor
+        return _as(y_BTC, x_BTC.dtype), _as(state, x_BTC.dtype)
+    x_BCT = _as(x_BTC, dtype).transpose(1, 2)
     if initial_state_BCW is None:
         history = x_BCT.new_zeros(B, C, W - 1)
     else:
-        history = initial_state_BCW.to(dtype)
+        history = _as(initial_state_BCW, dtype)
     xp_BCT = torch.cat([history, x_BCT], dim=-1)  # [B, C, W-1+T]
-    y_BCT = F.conv1d(xp_BCT, weight_CW.to(dtype)[:, None, :], groups=C)
-    state = xp_BCT[..., xp_BCT.shape[-1] - (W - 1) :].to(x_BTC.dtype).contiguous()
-    return F.silu(y_BCT).transpose(1, 2).to(x_BTC.dtype), state
+    y_BCT = F.conv1d(xp_BCT, _as(weight_CW, dtype)[:, None, :], groups=C)
+    state = _as(xp_BCT[..., xp_BCT.shape[-1] - (W - 1) :], x_BTC.dtype).contiguous()
+    return _as(F.silu(y_BCT).transpose(1, 2), x_BTC.dtype), state
+
+
+def _as(t: Tensor, dtype: torch.dtype) -> Tensor:
+    """t.to(dtype) without dispatching the no-op cast."""
+    return t if t.dtype == dtype else t.to(dtype)
 
 
 def short_conv_naive(
