@@ -19,8 +19,15 @@ class UsageError(Exception):
     """Bad command-line input that is not a spec error (one line, exit 2)."""
 
 
+def _add_extends_anywhere(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--extends-anywhere", action="store_true",
+                   help="let `extends:` follow absolute paths and paths outside the spec root (the working folder, "
+                   "or the spec's own folder when it lies outside that); only for specs you trust")
+
+
 def _add_spec_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> None:
     p.add_argument("spec", help="path to a spec YAML file")
+    _add_extends_anywhere(p)
     if overrides:
         p.add_argument(
             "--set",
@@ -76,6 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", help="first spec")
     p.add_argument("b", help="second spec")
+    _add_extends_anywhere(p)
     p.add_argument("--context", type=_positive, default=None, help="context length for derived numbers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
@@ -122,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exactly where a run stopped.",
     )
     p.add_argument("spec", metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
+    _add_extends_anywhere(p)
     p.add_argument("--steps", type=int, required=True, help="optimizer steps in total (the schedule's length)")
     p.add_argument("--data", help="a text file or a folder of text files (default: the Python stdlib's sources)")
     p.add_argument("--out", help="run folder (default: runs/<spec name>)")
@@ -139,7 +148,7 @@ def _cmd_stats(args) -> None:
     from k3compile.report import print_stats
     from k3compile.spec.load import load_spec
 
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
     stats = spec_stats(spec, args.context, args.batch)
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -151,14 +160,15 @@ def _cmd_check(args) -> None:
     from k3compile.report import print_check
     from k3compile.spec.load import load_spec
 
-    print_check(load_spec(args.spec, args.overrides), args.spec)
+    print_check(load_spec(args.spec, args.overrides, args.extends_anywhere), args.spec)
 
 
 def _cmd_diff(args) -> None:
     from k3compile.report import print_diff, spec_diff
     from k3compile.spec.load import load_spec
 
-    diff = spec_diff(load_spec(args.a), load_spec(args.b), args.context)
+    a, b = (load_spec(p, extends_anywhere=args.extends_anywhere) for p in (args.a, args.b))
+    diff = spec_diff(a, b, args.context)
     if args.json:
         print(json.dumps(diff, indent=2))
     else:
@@ -172,7 +182,7 @@ def _cmd_build(args) -> None:
     from k3compile.report import print_build
     from k3compile.spec.load import load_spec
 
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
     known = [p.name for p in pipeline()]
     for name in args.disable_pass + [d for d in args.dump_after if d != "all"]:
         if name not in known:
@@ -238,7 +248,7 @@ def _cmd_train(args) -> None:
 
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
-              eval_every=args.eval_every, stop_after=args.stop_after)
+              eval_every=args.eval_every, stop_after=args.stop_after, extends_anywhere=args.extends_anywhere)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
 

@@ -66,7 +66,9 @@ def _spec_from_build(package: ModuleType, overrides: Sequence[str]) -> Spec:
     return spec
 
 
-def resolve(spec_or_build: str | Path, overrides: Sequence[str] = ()) -> tuple[Spec, ModuleType | None]:
+def resolve(
+    spec_or_build: str | Path, overrides: Sequence[str] = (), extends_anywhere: bool = False
+) -> tuple[Spec, ModuleType | None]:
     """(spec, package): a spec file gives (spec, None); a build folder gives its spec and the loaded package."""
     from k3compile.loader import load
     from k3compile.spec.load import load_spec
@@ -88,7 +90,7 @@ def resolve(spec_or_build: str | Path, overrides: Sequence[str] = ()) -> tuple[S
                 "--target cpu, or set TRITON_INTERPRET=1 to run the kernels through Triton's interpreter (slow)"
             )
         return _spec_from_build(package, overrides), package
-    return load_spec(path, list(overrides)), None
+    return load_spec(path, list(overrides), extends_anywhere), None
 
 
 def _same_architecture(a: Spec, b: Spec) -> bool:
@@ -439,6 +441,7 @@ def train(
     eval_every: int | None = None,
     progress: bool = True,
     stop_after: int | None = None,
+    extends_anywhere: bool = False,
 ) -> list[dict]:
     """Train the spec's (or build's) Model for `steps` optimizer steps in total; returns the metrics records.
 
@@ -447,15 +450,16 @@ def train(
     checkpoint there; `overrides`: `a.b=value` spec overrides (only training.* for a build); `eval_every`:
     validate (and checkpoint) every this many steps; `stop_after`: end this call after that many steps
     (with a checkpoint) so a later `resume=True` call continues the same schedule; `progress`: show a bar
-    and messages on the console (False: silent). Records hold step, loss, lr, tokens_per_s, imbalance,
-    dropped, grad_norm and, when validated, val_loss (nats per byte).
+    and messages on the console (False: silent); `extends_anywhere`: let the spec's `extends:` leave its
+    root (k3compile.spec.load.spec_root). Records hold step, loss, lr, tokens_per_s, imbalance, dropped,
+    grad_norm and, when validated, val_loss (nats per byte).
     """
     if steps < 1:
         raise TrainError(f"steps must be at least 1, got {steps}")
     for name, value in (("eval_every", eval_every), ("stop_after", stop_after)):
         if value is not None and value < 1:
             raise TrainError(f"{name} must be at least 1, got {value}")
-    spec, package = resolve(spec_or_build, overrides)
+    spec, package = resolve(spec_or_build, overrides, extends_anywhere)
     if spec.vocab_size < VOCAB:
         raise TrainError(
             f"spec {spec.name!r} has vocab_size {spec.vocab_size}; byte-level training needs at least {VOCAB}"
