@@ -23,6 +23,7 @@ from k3compile.spec.schema import FieldError, Spec
 MAX_FILE_BYTES = 1 << 20  # a spec is a page of YAML, not a data set
 MAX_NODES = 50_000  # bounds alias expansion ("billion laughs") and absurd documents
 MAX_EXTENDS_DEPTH = 16
+MAX_ERROR_LINES = 20  # a screenful; the last line counts the rest
 
 Path_ = tuple[str | int, ...]
 
@@ -393,8 +394,17 @@ def _validate(data: dict, locs: dict, root: Loc | str) -> Spec:
         lines = []
         for err in e.errors(include_url=False):
             path, msg = _describe(err, data)
-            lines.append(f"{_locate(locs, path, root)}: {_fmt_path(path)}: {msg}")
-        raise SpecError(lines) from None
+            lines.append((_locate(locs, path, root), _fmt_path(path), msg))
+        raise SpecError(_capped(lines)) from None
+
+
+def _capped(lines: list[tuple[Loc | str, str, str]]) -> list[str]:
+    """`where: path: what` lines, at most MAX_ERROR_LINES: a list of 20,000 bad values does not print 20,000 lines."""
+    if len(lines) <= MAX_ERROR_LINES:
+        return [f"{loc}: {path}: {msg}" for loc, path, msg in lines]
+    shown = [f"{loc}: {path}: {msg}" for loc, path, msg in lines[: MAX_ERROR_LINES - 1]]
+    loc, path, _ = lines[MAX_ERROR_LINES - 1]
+    return shown + [f"{loc}: {path}: {len(lines) - len(shown):,} more errors from here on, not shown"]
 
 
 # ---------------------------------------------------------------- public API
