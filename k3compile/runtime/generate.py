@@ -37,14 +37,12 @@ def load_build(build: str | Path | ModuleType) -> ModuleType:
     """The emitted package at `build` (already imported modules pass through)."""
     if isinstance(build, ModuleType):
         return build
-    from k3compile.loader import load
+    from k3compile.loader import BuildLoadError, load
 
     try:
         return load(build)
-    except FileNotFoundError as e:
+    except BuildLoadError as e:
         raise GenerateError(str(e)) from None
-    except (ImportError, SyntaxError) as e:
-        raise GenerateError(f"{build}: cannot import the build ({type(e).__name__}: {e}); rebuild it") from None
 
 
 def build_spec(module: ModuleType) -> Spec:

@@ -70,7 +70,7 @@ def resolve(
     spec_or_build: str | Path, overrides: Sequence[str] = (), extends_anywhere: bool = False
 ) -> tuple[Spec, ModuleType | None]:
     """(spec, package): a spec file gives (spec, None); a build folder gives its spec and the loaded package."""
-    from k3compile.loader import load
+    from k3compile.loader import BuildLoadError, load
     from k3compile.spec.load import load_spec
 
     path = Path(spec_or_build)
@@ -79,7 +79,7 @@ def resolve(
     if path.is_dir():
         try:
             package = load(path)
-        except FileNotFoundError as e:
+        except BuildLoadError as e:
             raise TrainError(str(e)) from None
         if not hasattr(package, "Model"):
             raise TrainError(f"{path} has no training Model (built with --mode infer); rebuild with --mode train")

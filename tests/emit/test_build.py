@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import keyword
 import os
@@ -55,7 +56,9 @@ def test_build_writes_the_documented_files(tiny_build, tiny_tree):
         ".k3compile-build", "__init__.py", "graphs/infer-final.txt", "graphs/train-final.txt", "manifest.json",
         "model.py",
     ]  # fmt: skip
-    assert json.loads(tiny_tree[".k3compile-build"]) == {"compiler": __version__, "spec": "k3-tiny"}
+    marker = json.loads(tiny_tree[".k3compile-build"])
+    hashes = {rel: hashlib.sha256(data).hexdigest() for rel, data in tiny_tree.items() if rel != ".k3compile-build"}
+    assert marker == {"compiler": __version__, "spec": "k3-tiny", "files": hashes}
 
 
 @pytest.mark.parametrize("occupant", ["foreign dir", "file"])
@@ -75,11 +78,21 @@ def test_building_over_a_foreign_path_is_refused_and_leaves_it_untouched(cli, ti
     assert snapshot(out) == before and os.listdir(out) == ["k3_tiny"]
 
 
-def test_refusal_happens_before_compiling(tiny_spec, tmp_path, monkeypatch):
-    (tmp_path / "k3_tiny").mkdir()
+@pytest.mark.parametrize("occupant", ["foreign dir", "-o is a file", "dangling symlink"])
+def test_refusal_happens_before_compiling(tiny_spec, tmp_path, monkeypatch, occupant):
+    out = tmp_path
+    if occupant == "foreign dir":
+        (tmp_path / "k3_tiny").mkdir()
+    elif occupant == "-o is a file":
+        out = tmp_path / "file"
+        out.write_text("")
+    else:
+        (tmp_path / "k3_tiny").symlink_to(tmp_path / "nowhere")
     monkeypatch.setattr("k3compile.build.compile_graphs", lambda *a, **k: pytest.fail("compiled before refusing"))
-    with pytest.raises(BuildDirError, match="refusing to overwrite"):
-        build(tiny_spec, tmp_path)
+    message = {"foreign dir": "refusing to overwrite", "-o is a file": "exists and is not a folder",
+               "dangling symlink": "is a symbolic link"}[occupant]
+    with pytest.raises(BuildDirError, match=message):
+        build(tiny_spec, out)
 
 
 @pytest.fixture
