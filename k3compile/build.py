@@ -20,6 +20,7 @@ from k3compile.analysis.params import param_counts
 from k3compile.analysis.stats import spec_stats
 from k3compile.emit.codegen import model_source, spec_hash
 from k3compile.emit.package import check_dest, write_package
+from k3compile.ir.generic_ops import DEPTH_MIX, TOKEN_MIXER
 from k3compile.ir.lower import lower
 from k3compile.ir.pass_manager import GraphPass, PassContext, PassManager, PassRecord
 from k3compile.ir.verify import format_graph
@@ -27,6 +28,12 @@ from k3compile.spec.schema import Spec
 
 REAL_WEIGHTS_MAX_PARAMS = 200_000_000  # above this, lower on the meta device
 MODES = ("train", "infer")
+# The generic ops lowering emits, in pipeline order, and the pass that replaces each by something that runs.
+RESOLVED_BY = {TOKEN_MIXER: "interleave", DEPTH_MIX: "attn_res"}
+
+
+class UnrunnableBuild(ValueError):
+    """The passes left a graph that cannot run (a needed pass was disabled): no package is written."""
 
 
 def pipeline() -> list[GraphPass]:
@@ -95,6 +102,20 @@ def compile_graphs(
     return out
 
 
+def check_runnable(compiled: dict[str, CompiledGraph]) -> None:
+    """Refuse graphs that still hold a generic op: their package would fail at its first forward (or, with
+    depth_mix's plain-sum reference, train a model other than the spec's)."""
+    for mode, c in compiled.items():
+        left = {n.target for n in c.gm.graph.nodes if n.op == "call_function" and n.target in RESOLVED_BY}
+        op = next((op for op in RESOLVED_BY if op in left), None)
+        if op is not None:
+            needed = RESOLVED_BY[op]
+            raise UnrunnableBuild(
+                f"the {mode} graph still holds {op.name()} nodes, so the package could not run; "
+                f"it needs the {needed} pass (drop --disable-pass {needed})"
+            )
+
+
 def binding_table(gm: fx.GraphModule) -> list[dict]:
     """One row per bound op kind: op, implementation, node count, reason."""
     rows: dict[tuple, dict] = {}
@@ -125,6 +146,7 @@ def build(
     dest = Path(out_dir) / package_name(spec)
     check_dest(dest)  # refuse before compiling, not after it
     compiled = compile_graphs(spec, modes, options, on_pass)
+    check_runnable(compiled)
     device = lowering_device(spec, options)
     pass_names = [r.name for r in next(iter(compiled.values())).records if r.status == "ran"]
     source = model_source(

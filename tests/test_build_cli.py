@@ -144,3 +144,15 @@ def test_mode_infer_and_dump_after_one_pass(infer_interleave):
     assert pkg.__all__ == ["SPEC_JSON", "TARGET", "InferenceModel"] and not hasattr(pkg, "Model")
     manifest = json.loads((dest / "manifest.json").read_text())
     assert manifest["modes"] == ["infer"] and list(manifest["passes"]) == ["infer"]
+
+
+@pytest.mark.parametrize("disabled", [["interleave"], ["attn_res"], PASSES])
+def test_a_build_that_could_not_run_is_refused(cli, tmp_path, write_spec, hand_text, disabled):
+    """Without interleave (or attn_res) the graph keeps the generic ops only that pass resolves: no package."""
+    spec = write_spec(hand_text)
+    flags = [a for name in disabled for a in ("--disable-pass", name)]
+    rc, out, err = cli("build", spec, "-o", tmp_path / "out", "--mode", "train", *flags)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    needed = "interleave" if "interleave" in disabled else "attn_res"
+    assert err.startswith("error: ") and f"needs the {needed} pass" in err and "could not run" in err
+    assert not (tmp_path / "out").exists()
