@@ -13,6 +13,7 @@ import sys
 from k3compile import __version__
 
 EXIT_BAD_INPUT = 2
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 
 class UsageError(Exception):
@@ -214,13 +215,17 @@ def _cmd_generate(args) -> None:
     import time
 
     from k3compile.runtime.generate import (
-        GenerateError, build_spec, check_request, encode, generate_tokens, load_build, load_decoder, stream_text,
+        GenerateError, build_spec, check_request, check_weights, encode, generate_tokens, load_build, load_decoder,
+        stream_text,
     )
 
+    if not SEED_RANGE[0] <= args.seed < SEED_RANGE[1]:
+        raise UsageError(f"--seed must be an integer in [-2^63, 2^64), got {args.seed}")
     try:
         module = load_build(args.build)
         prompt = encode(args.prompt)
         check_request(build_spec(module), prompt, args.max_new_tokens, args.temperature, args.top_p)
+        check_weights(module, args.checkpoint)
         if args.checkpoint is None:
             print(f"note: no --checkpoint: using the seeded initial weights of {args.build}", file=sys.stderr)
         decoder = load_decoder(module, args.checkpoint)

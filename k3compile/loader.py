@@ -66,6 +66,12 @@ def _check_manifest(path: Path, module: ModuleType) -> None:
         raise BuildLoadError(f"{path}: manifest.json and model.py record different specs; rebuild it")
 
 
+def shapes_only(module: ModuleType) -> bool:
+    """Whether a loaded build was lowered on the meta device (a full-size spec): it has shapes but no weights."""
+    models = [getattr(module, name, None) for name in ("Model", "InferenceModel")]
+    return any(getattr(m, "DEFAULT_DEVICE", None) == "meta" for m in models)
+
+
 def load(path: str | Path) -> ModuleType:
     """Import the emitted package at `path` (a build folder, or an output dir holding exactly one).
 

@@ -156,3 +156,9 @@ def test_a_build_that_could_not_run_is_refused(cli, tmp_path, write_spec, hand_t
     needed = "interleave" if "interleave" in disabled else "attn_res"
     assert err.startswith("error: ") and f"needs the {needed} pass" in err and "could not run" in err
     assert not (tmp_path / "out").exists()
+
+
+def test_an_output_path_that_looks_like_markup_is_printed_as_it_is(cli, tmp_path, write_spec, hand_text):
+    out = tmp_path / "out[" / "x]"
+    rc, stdout, err = cli("build", write_spec(hand_text), "-o", out, "--mode", "train")
+    assert (rc, err) == (0, "") and f"built {out / 'hand'}" in stdout

@@ -164,6 +164,7 @@ def load_decoder(build: str | Path | ModuleType, checkpoint: str | Path | None =
     which is what an inference build's packing would give.
     """
     module = load_build(build)
+    check_weights(module, checkpoint)
     if hasattr(module, "InferenceModel"):
         return load_inference_model(module, checkpoint).decoder
     from k3compile.analysis.formats import ELEMENT_OF_POLICY, is_mx
@@ -191,8 +192,27 @@ def load_decoder(build: str | Path | ModuleType, checkpoint: str | Path | None =
 
 
 def encode(text: str) -> list[int]:
-    """Byte-level tokens: the UTF-8 bytes of `text`."""
-    return list(text.encode("utf-8"))
+    """Byte-level tokens: the UTF-8 bytes of `text`.
+
+    Bytes that are not UTF-8 reach Python from argv as surrogate escapes (U+DC80..U+DCFF); they are given back
+    as the bytes they stand for. Any other lone surrogate is not text and is refused.
+    """
+    try:
+        return list(text.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError as e:
+        raise GenerateError(f"the prompt is not text: it holds a lone surrogate {text[e.start]!r} at {e.start}") from None
+
+
+def check_weights(module: ModuleType, checkpoint: str | Path | None) -> None:
+    """Refuse to generate from a shapes-only build (lowered on the meta device) without a checkpoint's weights."""
+    from k3compile.loader import shapes_only
+
+    if checkpoint is None and shapes_only(module):
+        raise GenerateError(
+            "the build has no weights (a shapes-only build: its spec was too large to initialise, so it was "
+            "lowered on the meta device); pass --checkpoint with trained weights, or generate from a build of a "
+            "smaller spec (k3compile build specs/k3-tiny.yaml -o build)"
+        )
 
 
 def check_request(spec: Spec, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:

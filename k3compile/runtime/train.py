@@ -70,7 +70,7 @@ def resolve(
     spec_or_build: str | Path, overrides: Sequence[str] = (), extends_anywhere: bool = False
 ) -> tuple[Spec, ModuleType | None]:
     """(spec, package): a spec file gives (spec, None); a build folder gives its spec and the loaded package."""
-    from k3compile.loader import BuildLoadError, load
+    from k3compile.loader import BuildLoadError, load, shapes_only
     from k3compile.spec.load import load_spec
 
     path = Path(spec_or_build)
@@ -83,6 +83,11 @@ def resolve(
             raise TrainError(str(e)) from None
         if not hasattr(package, "Model"):
             raise TrainError(f"{path} has no training Model (built with --mode infer); rebuild with --mode train")
+        if shapes_only(package):
+            raise TrainError(
+                f"{path} has no weights (a shapes-only build: its spec was lowered on the meta device); "
+                "train from the spec file, or build a spec small enough to initialise"
+            )
         target = getattr(package, "TARGET", "cpu")
         if target != "cpu" and not torch.cuda.is_available() and not interpreting():
             raise TrainError(
@@ -97,9 +102,37 @@ def _same_architecture(a: Spec, b: Spec) -> bool:
     return a.model_dump(exclude={"training"}) == b.model_dump(exclude={"training"})
 
 
-def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
-    """Build `spec` (train mode) into `build_dir`, reusing a build there of the same architecture and compiler."""
+def _why_not_reusable(dest: Path, spec: Spec, target: str) -> str | None:
+    """None when the build at `dest` is what training `spec` would build now, else why not (one phrase).
+
+    Reused only when all match: the architecture (training.* aside: it is not compiled in), a training
+    Model, every pass run, this compiler version and the target.
+    """
     from k3compile import __version__
+    from k3compile.build import pipeline
+
+    try:
+        manifest = json.loads((dest / "manifest.json").read_text(encoding="utf-8"))
+        built = Spec.model_validate(manifest["spec"]["fields"])
+        compiler, modes, passes = manifest["compiler"], manifest["modes"], manifest["passes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its manifest is unreadable"
+    if compiler != f"k3compile {__version__}":
+        return f"it was built by {compiler}"
+    if manifest.get("target") != target:
+        return f"it was built for {manifest.get('target')}, not {target}"
+    if "train" not in modes:
+        return "it has no training Model (built with --mode infer)"
+    skipped = [r.get("name") for r in passes.get("train", []) if r.get("status") != "ran"]
+    if skipped or [r.get("name") for r in passes.get("train", [])] != [p.name for p in pipeline()]:
+        return f"it was built with passes disabled ({', '.join(map(str, skipped)) or 'another pass list'})"
+    if not _same_architecture(built, spec):
+        return "its spec differs"
+    return None
+
+
+def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
+    """Build `spec` (train mode) into `build_dir`, reusing a build there that matches it (`_why_not_reusable`)."""
     from k3compile.build import BuildOptions, build, package_name
     from k3compile.emit.package import is_build_dir
     from k3compile.loader import load
@@ -108,15 +141,11 @@ def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
     # Without a GPU, bind the PyTorch references whatever the spec's target (its Triton kernels need CUDA).
     target = spec.target if torch.cuda.is_available() else "cpu"
     if is_build_dir(dest):
-        try:
-            manifest = json.loads((dest / "manifest.json").read_text())
-            built = Spec.model_validate(manifest["spec"]["fields"])
-            same = manifest["compiler"] == f"k3compile {__version__}" and manifest["target"] == target
-            if same and _same_architecture(built, spec):
-                say(f"reusing the build in {dest}")
-                return load(dest)
-        except (OSError, ValueError, KeyError):
-            pass
+        why = _why_not_reusable(dest, spec, target)
+        if why is None:
+            say(f"reusing the build in {dest}")
+            return load(dest)
+        say(f"rebuilding {dest}: {why}")
     say(f"building {spec.name} (train mode) into {build_dir}")
     try:
         dest, _ = build(spec, build_dir, BuildOptions(mode="train", target=target))
@@ -125,10 +154,21 @@ def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
     return load(dest)
 
 
+def _enclosing_build(path: Path) -> Path | None:
+    """The build folder `path` is (or lies inside), or None."""
+    from k3compile.emit.package import is_build_dir
+
+    path = path.absolute()
+    return next((p for p in (path, *path.parents) if is_build_dir(p)), None)
+
+
 def prepare_out(out: Path, resume: bool) -> Path | None:
     """Check that `out` can hold this run; create it. Returns the top folder created (to undo), or None."""
     if out.exists() and not out.is_dir():
         raise TrainError(f"output {out} exists and is not a folder")
+    inside = _enclosing_build(out)
+    if inside is not None:  # the next build there would delete the run's checkpoints (or refuse to replace it)
+        raise TrainError(f"output {out} is inside the build {inside}; choose an --out outside it")
     steps = ckpt.committed(out / "checkpoints")
     if steps and not resume:
         raise TrainError(

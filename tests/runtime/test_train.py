@@ -250,3 +250,86 @@ def test_train_rejects_bad_arguments_before_anything_else(tmp_path):
     with pytest.raises(TrainError, match="no such spec or build"):
         k3compile.train(tmp_path / "missing.yaml", 1, out=tmp_path / "x", progress=False)
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- which builds a run may use, and where it writes
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.read_bytes()) for p in root.rglob("*") if p.is_file())
+
+
+def _copy_build(build, dest, edit=lambda files, manifest: None):
+    """A copy of `build` at `dest` written through write_package (its marker agrees) after `edit`."""
+    from k3compile.emit.package import MARKER, write_package
+
+    files = {str(p.relative_to(build)): p.read_bytes() for p in build.rglob("*") if p.is_file()}
+    marker = json.loads(files.pop(MARKER))
+    manifest = json.loads(files["manifest.json"])
+    edit(files, manifest)
+    files["manifest.json"] = json.dumps(manifest).encode()
+    return write_package(dest, files, marker)
+
+
+def _infer_only(files, manifest):
+    manifest["modes"], manifest["passes"] = ["infer"], {"infer": manifest["passes"]["train"]}
+
+
+def _fuse_disabled(files, manifest):
+    next(r for r in manifest["passes"]["train"] if r["name"] == "fuse")["status"] = "disabled"
+
+
+def _older_compiler(files, manifest):
+    manifest["compiler"] = "k3compile 0.0.1"
+
+
+@pytest.mark.parametrize("edit", [None, _infer_only, _fuse_disabled, _older_compiler], ids=lambda e: getattr(e, "__name__", "same"))
+def test_the_run_folders_build_is_reused_only_when_mode_passes_and_compiler_match(build, tmp_path, monkeypatch, edit):
+    from k3compile.runtime import train as train_module
+
+    _copy_build(build, tmp_path / "build" / "k3_tiny", edit or (lambda files, manifest: None))
+
+    class Rebuilt(Exception):
+        pass
+
+    def rebuild(*args, **kwargs):
+        raise Rebuilt
+
+    monkeypatch.setattr("k3compile.build.build", rebuild)
+    said = []
+    spec = load_spec(K3_TINY, list(SMALL))
+    if edit is None:
+        package = train_module.build_package(spec, tmp_path / "build", said.append)
+        assert hasattr(package, "Model") and said == [f"reusing the build in {tmp_path / 'build' / 'k3_tiny'}"]
+        return
+    with pytest.raises(Rebuilt):
+        train_module.build_package(spec, tmp_path / "build", said.append)
+    assert not any("reusing" in s for s in said)
+    reason = {"_infer_only": "no training Model", "_fuse_disabled": "passes disabled (fuse)",
+              "_older_compiler": "built by k3compile 0.0.1"}[edit.__name__]
+    assert any(reason in s for s in said), said
+
+
+@pytest.mark.parametrize("where", ["build", "build/run"])
+def test_a_run_folder_inside_a_build_is_refused(build, tmp_path, corpus_file, cli, where):
+    """Checkpoints there would be deleted by the next build (or stop it): refuse before writing anything."""
+    copy = _copy_build(build, tmp_path / "k3_tiny")
+    before = _tree(copy)
+    out = copy / where.removeprefix("build").lstrip("/") if where != "build" else copy
+    rc, _, err = cli("train", copy, "--steps", "1", "--data", corpus_file, "--out", out, *[f"--set={s}" for s in FAST])
+    assert rc == 2 and err.count("\n") == 1 and f"is inside the build {copy}" in err, err
+    assert _tree(copy) == before
+
+
+def test_a_build_without_weights_or_whose_code_fails_is_one_line_exit_2(build, tmp_path, corpus_file, cli):
+    from k3compile.build import BuildOptions
+    from k3compile.build import build as build_package
+
+    shapes_only, _ = build_package(load_spec(K3_TINY), tmp_path / "meta", BuildOptions(mode="train", device="meta"))
+    broken = _copy_build(build, tmp_path / "broken" / "k3_tiny",
+                         lambda files, manifest: files.__setitem__("model.py", files["model.py"] + b"\ndef (:\n"))
+    for path, message in [(shapes_only, "has no weights (a shapes-only build"), (broken, "SyntaxError")]:
+        out = tmp_path / f"run-{path.parent.name}"
+        rc, _, err = cli("train", path, "--steps", "1", "--data", corpus_file, "--out", out)
+        assert rc == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+        assert not out.exists()
