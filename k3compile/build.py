@@ -7,8 +7,11 @@ meta device, so a 2.8T-parameter model builds in seconds with no weight memory.
 from __future__ import annotations
 
 import copy
+import functools
+import importlib.metadata
 import json
 import keyword
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -183,9 +186,22 @@ def build(
 
 
 def package_name(spec: Spec) -> str:
-    """The emitted package's folder, an importable identifier: 'k3-tiny' -> 'k3_tiny', 'class' -> 'k3_class'."""
+    """The emitted package's folder, an importable identifier: 'k3-tiny' -> 'k3_tiny', 'class' -> 'k3_class'.
+
+    A name Python already imports something by ('torch', 'json', 'os') is prefixed too: `-o .` would
+    otherwise create ./torch/, which shadows the real package for any Python started in that folder.
+    """
     name = "".join(c if c.isalnum() or c == "_" else "_" for c in spec.name)
-    return name if name[0].isalpha() and not keyword.iskeyword(name) else f"k3_{name}"
+    clear = name[0].isalpha() and not keyword.iskeyword(name) and name not in importable_module_names()
+    return name if clear else f"k3_{name}"
+
+
+@functools.cache
+def importable_module_names() -> frozenset[str]:
+    """Top-level modules importable here whatever the working folder: the standard library's, the built-in
+    ones and those of every installed distribution (the same set on each call, unlike a sys.path search)."""
+    installed = importlib.metadata.packages_distributions()
+    return frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names) | frozenset(installed)
 
 
 def _init_source(spec: Spec, exports: list[str]) -> str:

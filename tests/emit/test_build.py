@@ -173,7 +173,13 @@ def test_package_name_is_an_importable_identifier(name, package):
     assert package_name(SimpleNamespace(name=name)) == package
 
 
+@pytest.mark.parametrize("name", ["torch", "os", "json", "yaml", "pydantic", "sys"])
+def test_names_of_importable_modules_are_prefixed(name):
+    """`-o .` with a spec named torch would create ./torch/, shadowing the real one for Python started there."""
+    assert package_name(SimpleNamespace(name=name)) == f"k3_{name}"
+
+
 @given(st.from_regex(NAME_RE, fullmatch=True))
 def test_every_valid_spec_name_gives_an_importable_package(name):
     package = package_name(SimpleNamespace(name=name))
-    assert package.isidentifier() and not keyword.iskeyword(package)
+    assert package.isidentifier() and not keyword.iskeyword(package) and package not in sys.stdlib_module_names
