@@ -24,6 +24,7 @@ from pathlib import Path
 from types import ModuleType
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor, nn
 
 from k3compile.kernels.launch import interpreting
@@ -327,8 +328,55 @@ def save_checkpoint(run: Run, step: int) -> Path:
     return ckpt.save(run.checkpoints, step, tensors, meta)
 
 
+class _DataFingerprint(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    source: str
+    bytes: int
+    crc32: int
+
+
+class _TrainingMeta(BaseModel):
+    """What `save_checkpoint` adds to a checkpoint's JSON, strictly typed; checked before anything is restored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    compiler: str
+    spec_name: str
+    spec_sha256: str
+    spec: dict
+    optimizer: dict[str, str]
+    data: _DataFingerprint
+
+
+def _training_meta(state: ckpt.Checkpoint) -> _TrainingMeta:
+    try:
+        return _TrainingMeta.model_validate(state.meta)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = ".".join(map(str, err["loc"]))
+        raise ckpt.CheckpointError(f"{state.path} has bad training metadata: {field}: {err['msg']}") from None
+
+
+def _check_rng_states(run: Run, state: ckpt.Checkpoint) -> None:
+    """Both random-generator states are there and shaped like this machine's (uint8, 5056 bytes for mt19937)."""
+    for key, live in (("rng/torch", torch.get_rng_state()), ("rng/data", run.batches.state())):
+        found = state.tensors.get(key)
+        if found is None:
+            raise ckpt.CheckpointError(f"{state.path} is not a training checkpoint (no {key})")
+        if found.dtype != live.dtype or found.shape != live.shape:
+            raise ckpt.CheckpointError(
+                f"{state.path}: {key} is not a random-generator state ({found.dtype} {list(found.shape)}, "
+                f"expected {live.dtype} {list(live.shape)})"
+            )
+
+
 def resume_from(run: Run, say) -> int:
-    """Load the newest checkpoint into the run; returns its step (0 when there is none)."""
+    """Load the newest checkpoint into the run; returns its step (0 when there is none).
+
+    Everything is checked before anything is restored: the record (checkpoint.load), the model's tensors,
+    the training metadata's types, the optimizer layout and state, the RNG states, finiteness.
+    """
     from k3compile.emit.codegen import spec_hash
 
     path = ckpt.latest(run.checkpoints)
@@ -337,21 +385,23 @@ def resume_from(run: Run, say) -> int:
         return 0
     state = ckpt.load(path)
     ckpt.restore_model(run.model, state)
-    missing = [k for k in ("rng/torch", "rng/data") if k not in state.tensors]
-    if missing:
-        raise ckpt.CheckpointError(f"{path} is not a training checkpoint (no {', '.join(missing)})")
+    meta = _training_meta(state)
     layout = optimizer_layout(run.optimizer, run.named)
-    saved = state.meta.get("optimizer", {})
-    differ = [f"{n} ({saved.get(n, 'absent')} -> {k})" for n, k in layout.items() if saved.get(n) != k]
+    differ = [f"{n} ({meta.optimizer.get(n, 'absent')} -> {k})" for n, k in layout.items() if meta.optimizer.get(n) != k]
     if differ:
         shown = ", ".join(differ[:4]) + (f" (+{len(differ) - 4} more)" if len(differ) > 4 else "")
         raise TrainError(f"{path} was written with another optimizer layout: {shown}")
+    _check_rng_states(run, state)
+    ckpt.check_finite(state)
     ckpt.restore_optimizer(run.optimizer, run.named, state)
-    run.batches.load_state(state.tensors["rng/data"])
-    torch.set_rng_state(state.tensors["rng/torch"])
-    if state.meta.get("spec_sha256") != spec_hash(run.spec):
+    try:
+        run.batches.load_state(state.tensors["rng/data"])
+        torch.set_rng_state(state.tensors["rng/torch"])
+    except RuntimeError as e:  # the right size, but not a valid generator state
+        raise ckpt.CheckpointError(f"{path}: its random-generator state is invalid ({e})") from None
+    if meta.spec_sha256 != spec_hash(run.spec):
         say(f"note: {path.name} was written with different spec settings; continuing with the current ones")
-    if state.meta.get("data") != run.data_fingerprint():
+    if meta.data.model_dump() != run.data_fingerprint():
         say(f"note: the data differ from those {path.name} was trained on; the batches will differ too")
     say(f"resuming from {path} (step {state.step})")
     return state.step

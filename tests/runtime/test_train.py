@@ -333,3 +333,31 @@ def test_a_build_without_weights_or_whose_code_fails_is_one_line_exit_2(build, t
         rc, _, err = cli("train", path, "--steps", "1", "--data", corpus_file, "--out", out)
         assert rc == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
         assert not out.exists()
+
+
+@pytest.mark.parametrize("damage", ["optimizer shape", "optimizer slot", "rng size", "nan weight", "meta type"])
+def test_resume_checks_every_tensor_and_field_before_the_first_step(spec_run, build, tmp_path, corpus_file, damage):
+    """Each of these gave a traceback (some only at the first step) or was accepted; now one line at resume."""
+    state = ckpt.load(spec_run[1] / "checkpoints")
+    tensors, meta = dict(state.tensors), dict(state.meta)
+    if damage == "optimizer shape":
+        tensors["optim/layers.0.attn.q_proj.weight/momentum_buffer"] = torch.zeros(3, 3)
+    elif damage == "optimizer slot":  # the embedding is AdamW's: no momentum buffer
+        tensors["optim/embed.weight/momentum_buffer"] = torch.zeros_like(tensors["model/embed.weight"])
+    elif damage == "rng size":
+        tensors["rng/data"] = torch.zeros(10, dtype=torch.uint8)
+    elif damage == "nan weight":
+        tensors["model/embed.weight"] = tensors["model/embed.weight"].clone().index_fill_(0, torch.tensor([3]), math.nan)
+    else:
+        meta["optimizer"] = "adamw"
+    ckpt.save(tmp_path / "run" / "checkpoints", 2, tensors, meta)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        _train(build, tmp_path / "run", 3, corpus_file, resume=True)
+    expected = {
+        "optimizer shape": "layers.0.attn.q_proj.weight/momentum_buffer [3, 3] (expected a float tensor of shape [",
+        "optimizer slot": "embed.weight/momentum_buffer [256, 256] (no such state)",
+        "rng size": "rng/data is not a random-generator state",
+        "nan weight": "holds non-finite values in model/embed.weight",
+        "meta type": "has bad training metadata: optimizer: Input should be a valid dictionary",
+    }[damage]
+    assert "\n" not in str(e.value) and expected in str(e.value), str(e.value)
