@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 
 from k3compile import __version__
@@ -279,9 +280,10 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # train's Interrupted carries the signal: 130 for Ctrl-C, 143 for SIGTERM
+        signum = getattr(e, "signum", signal.SIGINT)
+        print("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        return 128 + signum
     return 0
 
 

@@ -9,8 +9,10 @@ with every validation and when the run stops; `resume=True` continues exactly wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import tempfile
@@ -18,7 +20,6 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -410,25 +411,70 @@ def resume_from(run: Run, say) -> int:
 # ---------------------------------------------------------------- metrics file
 
 
-def read_metrics(path: Path, upto: int) -> list[dict]:
-    """The records of `path` with step <= upto (a resumed run drops what came after its checkpoint)."""
+@dataclass
+class MetricsSoFar:
+    """What `read_metrics` keeps of a metrics file: the records up to a step, where they end, what was skipped."""
+
+    records: list[dict]
+    size: int  # bytes up to the end of the last kept record: the file is cut there and appended to
+    skipped: list[int]  # 1-based numbers of the lines before that which are not records
+
+
+def _record(line: bytes) -> dict | None:
+    """A metrics record (a JSON object with an integer step >= 1), or None for anything else."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or a line cut by a crash
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return record if type(step) is int and step >= 1 else None
+
+
+def read_metrics(path: Path, upto: int) -> MetricsSoFar:
+    """The records of `path` up to the first one after step `upto` (a resumed run redoes those steps).
+
+    Lines that are not records are skipped (and counted) where a kept record follows them; after the last
+    kept record everything is cut: later steps, and a line a crash left half-written.
+    """
     if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
+        return MetricsSoFar([], 0, [])
+    kept, skipped, pending, size, offset = [], [], [], 0, 0
+    for number, line in enumerate(path.read_bytes().splitlines(keepends=True), 1):
+        offset += len(line)
+        record = _record(line) if line.endswith(b"\n") else None
+        if record is None:
+            pending.append(number)
+        elif record["step"] > upto:
+            break
+        else:
+            kept.append(record)
+            skipped += pending
+            pending, size = [], offset
+    return MetricsSoFar(kept, size, skipped)
+
+
+class MetricsLog:
+    """metrics.jsonl, appended to one whole line per record: cut to `size` when opened (the records a resumed
+    run redoes), and cut back to its last whole line when a write fails (a full disk), never rewritten."""
+
+    def __init__(self, path: Path, size: int):
+        self.path, self.size = path, size
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.ftruncate(self.fd, size)
+
+    def append(self, record: dict) -> None:
+        data = memoryview((json.dumps(record) + "\n").encode())
         try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(record, dict) and record.get("step", upto + 1) <= upto:
-            out.append(record)
-    return out
+            while data:
+                data = data[os.write(self.fd, data) :]
+        except OSError as e:
+            os.ftruncate(self.fd, self.size)
+            why = e.strerror or os.strerror(e.errno or 0)
+            raise TrainError(f"cannot append to {self.path}: {why}; --resume continues from the last checkpoint") from None
+        self.size += len(data.obj)
 
-
-def write_metrics(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 # ---------------------------------------------------------------- console
@@ -447,7 +493,7 @@ class _Quiet:
         pass
 
 
-@contextmanager
+@contextlib.contextmanager
 def _display(enabled: bool, total: int, name: str) -> Iterator:
     if not enabled:
         yield _Quiet()
@@ -493,24 +539,44 @@ def _display(enabled: bool, total: int, name: str) -> Iterator:
         yield Bar()
 
 
-@contextmanager
-def _interrupt_flag() -> Iterator[threading.Event]:
-    """A first Ctrl-C sets the flag (the run stops after the current step, with a checkpoint); a second one kills."""
-    flag = threading.Event()
+class Interrupted(KeyboardInterrupt):
+    """The run stopped on a signal after a checkpoint; `signum` is SIGINT (Ctrl-C) or SIGTERM (docker stop, ...)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _StopFlag:
+    """Which stop signal arrived first (None: none yet)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+
+@contextlib.contextmanager
+def _stop_flag() -> Iterator[_StopFlag]:
+    """A first Ctrl-C or SIGTERM sets the flag (the run stops after the current step, with a checkpoint);
+    a second one stops at once. Outside the main thread signals cannot be caught: the flag stays unset."""
+    flag = _StopFlag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
 
     def handler(signum, frame):
-        if flag.is_set():
-            raise KeyboardInterrupt
-        flag.set()
+        if flag.signum is not None:
+            raise Interrupted(signum)
+        flag.signum = signum
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 # ---------------------------------------------------------------- entry point
@@ -600,8 +666,11 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
     t = run.spec.training
     start = resume_from(run, say) if resume else 0
     metrics_path = run.out / "metrics.jsonl"
-    records = read_metrics(metrics_path, start)
-    write_metrics(metrics_path, records)
+    so_far = read_metrics(metrics_path, start)
+    records = so_far.records
+    if so_far.skipped:
+        say(f"note: {metrics_path}: skipped {len(so_far.skipped)} lines that are not metrics records "
+            f"(the first: line {so_far.skipped[0]})")
     params = sum(p.numel() for _, p in run.named)
     say(
         f"{run.spec.name}: {params / 1e6:.2f}M parameters, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
@@ -619,28 +688,31 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
         return records
     stop = steps if stop_after is None else min(steps, start + stop_after)
     last_saved = start
-    with _interrupt_flag() as interrupted, open(metrics_path, "a") as log:
+    log = MetricsLog(metrics_path, so_far.size)
+    with _stop_flag() as stopping, contextlib.closing(log):
         display.begin(start)
         for step in range(start, stop):
             record = train_step(run, step, steps)
             n = record["step"]
-            if n % eval_every == 0 or n == steps:
+            validate = n % eval_every == 0 or n == steps
+            if validate:
                 record["val_loss"] = evaluate(run)
                 say(
                     f"step {n}: loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} nats "
                     f"({record['val_loss'] * LOG2E:.3f} bits) per byte"
                 )
+            records.append(record)
+            log.append(record)  # before the checkpoint: a resume from it finds this step's record
+            if validate:
                 save_checkpoint(run, n)
                 last_saved = n
-            records.append(record)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
             display.update(record)
-            if interrupted.is_set() and n < stop:
+            if stopping.signum is not None and n < stop:
                 if last_saved != n:
                     save_checkpoint(run, n)
-                say(f"interrupted at step {n}; checkpoint saved in {run.checkpoints}; continue with --resume")
-                raise KeyboardInterrupt
+                name = signal.Signals(stopping.signum).name
+                say(f"{name} at step {n}; checkpoint saved in {run.checkpoints}; continue with --resume")
+                raise Interrupted(stopping.signum)
     if last_saved != stop:
         save_checkpoint(run, stop)
     if stop < steps:

@@ -361,3 +361,73 @@ def test_resume_checks_every_tensor_and_field_before_the_first_step(spec_run, bu
         "meta type": "has bad training metadata: optimizer: Input should be a valid dictionary",
     }[damage]
     assert "\n" not in str(e.value) and expected in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------- the metrics log: appended, never rewritten
+
+GARBAGE = [b"\xff\xfe not utf-8\n", b'{"step": null}\n', b'{"step": "2"}\n', b"[1, 2]\n", b'{"loss": 1.0}\n']
+
+
+def test_unreadable_metrics_lines_are_skipped_and_reported_on_resume(build, tmp_path, corpus_file, cli):
+    out = tmp_path / "run"
+    _train(build, out, 4, corpus_file, FAST, eval_every=2, stop_after=2)
+    first, second = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    kept = first + b"".join(GARBAGE) + second
+    # after the checkpoint's step: a record of a step the resumed run redoes, and a line cut by a crash
+    (out / "metrics.jsonl").write_bytes(kept + b'{"step": 3, "loss": 9.0}\n{"ste')
+    sets = [f"--set={s}" for s in FAST]
+    rc, stdout, err = cli("train", build, "--steps", "4", "--data", corpus_file, "--out", out, "--resume",
+                          "--eval-every", "2", *sets)  # fmt: skip
+    assert rc == 0 and "Traceback" not in err, err
+    assert "skipped 5 lines that are not metrics records (the first: line 2)" in " ".join(stdout.split())
+    final = (out / "metrics.jsonl").read_bytes()
+    assert final.startswith(kept)  # nothing before the checkpoint rewritten
+    assert [json.loads(line)["step"] for line in final[len(kept) :].splitlines()] == [3, 4]
+
+
+def test_disk_full_while_logging_is_one_line_and_leaves_whole_lines(build, tmp_path, corpus_file, monkeypatch):
+    real = os.write
+
+    def full_at_step_two(fd, data):
+        if b'"step": 2' in bytes(data) and b'"loss"' in bytes(data):
+            real(fd, data[:10])  # a short write, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full_at_step_two)
+    out = tmp_path / "run"
+    with pytest.raises(TrainError, match=r"cannot append to .*metrics.jsonl: No space left on device"):
+        _train(build, out, 3, corpus_file, FAST, eval_every=1)
+    assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]  # no temporary file
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
+    assert ckpt.committed(out / "checkpoints") == [1]
+
+
+# ---------------------------------------------------------------- SIGTERM (docker stop, Kubernetes, SLURM)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGTERM")
+def test_sigterm_finishes_the_step_checkpoints_and_exits_143(build, tmp_path, corpus_file):
+    """Like a first Ctrl-C: the step completes, a checkpoint is written, the exit code says SIGTERM (128 + 15)."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "k3compile.cli", "train", str(build), "--steps", "100000", "--data", str(corpus_file),
+            "--out", str(out), "--eval-every", "100000", *[f"--set={s}" for s in FAST]]  # fmt: skip
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        for _ in range(1200):  # up to 2 minutes for the first step (a loaded machine)
+            if metrics.exists() and metrics.read_text().count("\n") >= 1 or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and ckpt.committed(out / "checkpoints") == [steps[-1]]
