@@ -282,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except KeyboardInterrupt as e:  # train's Interrupted carries the signal: 130 for Ctrl-C, 143 for SIGTERM
         signum = getattr(e, "signum", signal.SIGINT)
-        print("interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        stopped = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(stopped, file=sys.stderr)
         return 128 + signum
     return 0
 

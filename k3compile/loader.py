@@ -25,7 +25,8 @@ def find_build(path: Path) -> Path:
     """`path` itself when it is a build, else the one build inside it (hidden staging folders aside)."""
     if is_build_dir(path):
         return path
-    builds = sorted(p for p in path.iterdir() if is_build_dir(p) and not p.name.startswith(".")) if path.is_dir() else []
+    inside = sorted(path.iterdir()) if path.is_dir() else []
+    builds = [p for p in inside if is_build_dir(p) and not p.name.startswith(".")]
     if len(builds) > 1:
         names = ", ".join(p.name for p in builds)
         raise BuildLoadError(f"{path} holds {len(builds)} builds ({names}); name one of them")

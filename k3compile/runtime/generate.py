@@ -200,7 +200,8 @@ def encode(text: str) -> list[int]:
     try:
         return list(text.encode("utf-8", "surrogateescape"))
     except UnicodeEncodeError as e:
-        raise GenerateError(f"the prompt is not text: it holds a lone surrogate {text[e.start]!r} at {e.start}") from None
+        where = f"a lone surrogate {text[e.start]!r} at {e.start}"
+        raise GenerateError(f"the prompt is not text: it holds {where}") from None
 
 
 def check_weights(module: ModuleType, checkpoint: str | Path | None) -> None:

@@ -388,7 +388,8 @@ def resume_from(run: Run, say) -> int:
     ckpt.restore_model(run.model, state)
     meta = _training_meta(state)
     layout = optimizer_layout(run.optimizer, run.named)
-    differ = [f"{n} ({meta.optimizer.get(n, 'absent')} -> {k})" for n, k in layout.items() if meta.optimizer.get(n) != k]
+    saved = meta.optimizer
+    differ = [f"{n} ({saved.get(n, 'absent')} -> {k})" for n, k in layout.items() if saved.get(n) != k]
     if differ:
         shown = ", ".join(differ[:4]) + (f" (+{len(differ) - 4} more)" if len(differ) > 4 else "")
         raise TrainError(f"{path} was written with another optimizer layout: {shown}")
@@ -463,15 +464,17 @@ class MetricsLog:
         os.ftruncate(self.fd, size)
 
     def append(self, record: dict) -> None:
-        data = memoryview((json.dumps(record) + "\n").encode())
+        line = (json.dumps(record) + "\n").encode()
+        left = memoryview(line)
         try:
-            while data:
-                data = data[os.write(self.fd, data) :]
+            while left:
+                left = left[os.write(self.fd, left) :]
         except OSError as e:
             os.ftruncate(self.fd, self.size)
             why = e.strerror or os.strerror(e.errno or 0)
-            raise TrainError(f"cannot append to {self.path}: {why}; --resume continues from the last checkpoint") from None
-        self.size += len(data.obj)
+            hint = "--resume continues from the last checkpoint"
+            raise TrainError(f"cannot append to {self.path}: {why}; {hint}") from None
+        self.size += len(line)
 
     def close(self) -> None:
         os.close(self.fd)

@@ -283,7 +283,8 @@ def _older_compiler(files, manifest):
     manifest["compiler"] = "k3compile 0.0.1"
 
 
-@pytest.mark.parametrize("edit", [None, _infer_only, _fuse_disabled, _older_compiler], ids=lambda e: getattr(e, "__name__", "same"))
+@pytest.mark.parametrize("edit", [None, _infer_only, _fuse_disabled, _older_compiler],
+                         ids=lambda e: getattr(e, "__name__", "same"))
 def test_the_run_folders_build_is_reused_only_when_mode_passes_and_compiler_match(build, tmp_path, monkeypatch, edit):
     from k3compile.runtime import train as train_module
 
@@ -347,7 +348,9 @@ def test_resume_checks_every_tensor_and_field_before_the_first_step(spec_run, bu
     elif damage == "rng size":
         tensors["rng/data"] = torch.zeros(10, dtype=torch.uint8)
     elif damage == "nan weight":
-        tensors["model/embed.weight"] = tensors["model/embed.weight"].clone().index_fill_(0, torch.tensor([3]), math.nan)
+        embed = tensors["model/embed.weight"].clone()
+        embed[3, 0] = math.nan
+        tensors["model/embed.weight"] = embed
     else:
         meta["optimizer"] = "adamw"
     ckpt.save(tmp_path / "run" / "checkpoints", 2, tensors, meta)
