@@ -611,7 +611,8 @@ def train(
     (with a checkpoint) so a later `resume=True` call continues the same schedule; `progress`: show a bar
     and messages on the console (False: silent); `extends_anywhere`: let the spec's `extends:` leave its
     root (k3compile.spec.load.spec_root). Records hold step, loss, lr, tokens_per_s, imbalance, dropped,
-    grad_norm and, when validated, val_loss (nats per byte).
+    grad_norm and, when validated, val_loss (nats per byte). A first Ctrl-C or SIGTERM ends the run after
+    the current step with a checkpoint and raises `Interrupted` (a KeyboardInterrupt carrying the signal).
     """
     if steps < 1:
         raise TrainError(f"steps must be at least 1, got {steps}")
