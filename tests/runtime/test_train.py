@@ -371,54 +371,63 @@ def test_resume_checks_every_tensor_and_field_before_the_first_step(spec_run, bu
 GARBAGE = [b"\xff\xfe not utf-8\n", b'{"step": null}\n', b'{"step": "2"}\n', b"[1, 2]\n", b'{"loss": 1.0}\n']
 
 
-def test_unreadable_metrics_lines_are_skipped_and_reported_on_resume(build, tmp_path, corpus_file, cli):
+def _copy_run(spec_run, out):
+    """A copy of the module's 2-step run (checkpoint at step 2, metrics of steps 1 and 2) to resume."""
+    shutil.copytree(spec_run[1] / "checkpoints", out / "checkpoints")
+    return (spec_run[1] / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+
+
+def test_unreadable_metrics_lines_are_skipped_and_reported_on_resume(spec_run, build, tmp_path, corpus_file, cli):
     out = tmp_path / "run"
-    _train(build, out, 4, corpus_file, FAST, eval_every=2, stop_after=2)
-    first, second = (out / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+    first, second = _copy_run(spec_run, out)
     kept = first + b"".join(GARBAGE) + second
     # after the checkpoint's step: a record of a step the resumed run redoes, and a line cut by a crash
     (out / "metrics.jsonl").write_bytes(kept + b'{"step": 3, "loss": 9.0}\n{"ste')
-    sets = [f"--set={s}" for s in FAST]
-    rc, stdout, err = cli("train", build, "--steps", "4", "--data", corpus_file, "--out", out, "--resume",
-                          "--eval-every", "2", *sets)  # fmt: skip
+    sets = [f"--set={s}" for s in SMALL]
+    rc, stdout, err = cli("train", build, "--steps", "3", "--data", corpus_file, "--out", out, "--resume", *sets)
     assert rc == 0 and "Traceback" not in err, err
     assert "skipped 5 lines that are not metrics records (the first: line 2)" in " ".join(stdout.split())
     final = (out / "metrics.jsonl").read_bytes()
     assert final.startswith(kept)  # nothing before the checkpoint rewritten
-    assert [json.loads(line)["step"] for line in final[len(kept) :].splitlines()] == [3, 4]
+    assert [json.loads(line)["step"] for line in final[len(kept) :].splitlines()] == [3]
 
 
-def test_disk_full_while_logging_is_one_line_and_leaves_whole_lines(build, tmp_path, corpus_file, monkeypatch):
+def test_disk_full_while_logging_is_one_line_and_leaves_whole_lines(spec_run, build, tmp_path, corpus_file,
+                                                                    monkeypatch):
+    out = tmp_path / "run"
+    (out / "metrics.jsonl").write_bytes(b"".join(_copy_run(spec_run, out)))
     real = os.write
 
-    def full_at_step_two(fd, data):
-        if b'"step": 2' in bytes(data) and b'"loss"' in bytes(data):
+    def full_at_step_three(fd, data):
+        if b'"step": 3' in bytes(data) and b'"loss"' in bytes(data):
             real(fd, data[:10])  # a short write, then the disk is full
             raise OSError(errno.ENOSPC, "No space left on device")
         return real(fd, data)
 
-    monkeypatch.setattr(os, "write", full_at_step_two)
-    out = tmp_path / "run"
+    monkeypatch.setattr(os, "write", full_at_step_three)
     with pytest.raises(TrainError, match=r"cannot append to .*metrics.jsonl: No space left on device"):
-        _train(build, out, 3, corpus_file, FAST, eval_every=1)
+        _train(build, out, 4, corpus_file, resume=True)
     assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]  # no temporary file
-    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1]
-    assert ckpt.committed(out / "checkpoints") == [1]
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert ckpt.committed(out / "checkpoints") == [2]
 
 
 # ---------------------------------------------------------------- SIGTERM (docker stop, Kubernetes, SLURM)
 
 
 @pytest.mark.skipif(os.name != "posix", reason="SIGTERM")
-def test_sigterm_finishes_the_step_checkpoints_and_exits_143(build, tmp_path, corpus_file):
-    """Like a first Ctrl-C: the step completes, a checkpoint is written, the exit code says SIGTERM (128 + 15)."""
+def test_sigterm_finishes_the_step_checkpoints_and_exits_143(tmp_path, corpus_file, write_spec, hand_text):
+    """Like a first Ctrl-C: the step completes, a checkpoint is written, the exit code says SIGTERM (128 + 15).
+
+    The hand-sized spec keeps the child's build and checkpoint small."""
     import subprocess
     import sys
     import time
 
     out = tmp_path / "run"
-    argv = [sys.executable, "-m", "k3compile.cli", "train", str(build), "--steps", "100000", "--data", str(corpus_file),
-            "--out", str(out), "--eval-every", "100000", *[f"--set={s}" for s in FAST]]  # fmt: skip
+    sets = ["vocab_size=256", "training.seq_len=16", "training.batch_size=2", "training.optimizer=adamw"]
+    argv = [sys.executable, "-m", "k3compile.cli", "train", str(write_spec(hand_text)), "--steps", "100000",
+            "--data", str(corpus_file), "--out", str(out), "--eval-every", "100000", *[f"--set={s}" for s in sets]]
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         metrics = out / "metrics.jsonl"
