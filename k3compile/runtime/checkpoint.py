@@ -281,16 +281,21 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: Iterable[tuple[st
     return out
 
 
-@torch.no_grad()
-def restore_model(model: nn.Module, ckpt: Checkpoint) -> None:
-    """Copy the checkpoint's weights and buffers into `model`; first fail naming every tensor that differs."""
-    live = model_tensors(model)
+def check_model(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Fail, naming every tensor that differs, unless the checkpoint has exactly the model's tensors and shapes."""
+    live = {k: tuple(v.shape) for k, v in model_tensors(model).items()}
     found = {k: tuple(v.shape) for k, v in ckpt.tensors.items() if k.startswith(_MODEL)}
-    problem = mismatches({k: tuple(v.shape) for k, v in live.items()}, found)
+    problem = mismatches(live, found)
     if problem:
         spec = ckpt.meta.get("spec_name", "?")
         raise CheckpointError(f"{ckpt.path} (spec {spec!r}) does not match this model: {problem.replace(_MODEL, '')}")
-    for key, t in live.items():
+
+
+@torch.no_grad()
+def restore_model(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Copy the checkpoint's weights and buffers into `model` (after `check_model`)."""
+    check_model(model, ckpt)
+    for key, t in model_tensors(model).items():
         t.copy_(ckpt.tensors[key])
 
 

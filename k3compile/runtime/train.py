@@ -360,7 +360,8 @@ def _training_meta(state: ckpt.Checkpoint) -> _TrainingMeta:
 
 
 def _check_rng_states(run: Run, state: ckpt.Checkpoint) -> None:
-    """Both random-generator states are there and shaped like this machine's (uint8, 5056 bytes for mt19937)."""
+    """Both random-generator states are there, shaped like this machine's (uint8, 5056 bytes for mt19937) and
+    valid: each is tried on a scratch generator, so nothing is restored from a checkpoint that would fail."""
     for key, live in (("rng/torch", torch.get_rng_state()), ("rng/data", run.batches.state())):
         found = state.tensors.get(key)
         if found is None:
@@ -370,6 +371,10 @@ def _check_rng_states(run: Run, state: ckpt.Checkpoint) -> None:
                 f"{state.path}: {key} is not a random-generator state ({found.dtype} {list(found.shape)}, "
                 f"expected {live.dtype} {list(live.shape)})"
             )
+        try:
+            torch.Generator().set_state(found)
+        except RuntimeError as e:
+            raise ckpt.CheckpointError(f"{state.path}: {key} is not a valid random-generator state ({e})") from None
 
 
 def resume_from(run: Run, say) -> int:
@@ -385,7 +390,7 @@ def resume_from(run: Run, say) -> int:
         say(f"no checkpoint in {run.checkpoints}; starting from step 0")
         return 0
     state = ckpt.load(path)
-    ckpt.restore_model(run.model, state)
+    ckpt.check_model(run.model, state)
     meta = _training_meta(state)
     layout = optimizer_layout(run.optimizer, run.named)
     saved = meta.optimizer
@@ -395,12 +400,10 @@ def resume_from(run: Run, say) -> int:
         raise TrainError(f"{path} was written with another optimizer layout: {shown}")
     _check_rng_states(run, state)
     ckpt.check_finite(state)
-    ckpt.restore_optimizer(run.optimizer, run.named, state)
-    try:
-        run.batches.load_state(state.tensors["rng/data"])
-        torch.set_rng_state(state.tensors["rng/torch"])
-    except RuntimeError as e:  # the right size, but not a valid generator state
-        raise ckpt.CheckpointError(f"{path}: its random-generator state is invalid ({e})") from None
+    ckpt.restore_optimizer(run.optimizer, run.named, state)  # checks every slot before it changes anything
+    ckpt.restore_model(run.model, state)
+    run.batches.load_state(state.tensors["rng/data"])
+    torch.set_rng_state(state.tensors["rng/torch"])
     if meta.spec_sha256 != spec_hash(run.spec):
         say(f"note: {path.name} was written with different spec settings; continuing with the current ones")
     if meta.data.model_dump() != run.data_fingerprint():

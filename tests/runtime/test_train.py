@@ -336,7 +336,8 @@ def test_a_build_without_weights_or_whose_code_fails_is_one_line_exit_2(build, t
         assert not out.exists()
 
 
-@pytest.mark.parametrize("damage", ["optimizer shape", "optimizer slot", "rng size", "nan weight", "meta type"])
+@pytest.mark.parametrize("damage", ["optimizer shape", "optimizer slot", "rng size", "rng state", "nan weight",
+                                    "meta type"])
 def test_resume_checks_every_tensor_and_field_before_the_first_step(spec_run, build, tmp_path, corpus_file, damage):
     """Each of these gave a traceback (some only at the first step) or was accepted; now one line at resume."""
     state = ckpt.load(spec_run[1] / "checkpoints")
@@ -347,6 +348,8 @@ def test_resume_checks_every_tensor_and_field_before_the_first_step(spec_run, bu
         tensors["optim/embed.weight/momentum_buffer"] = torch.zeros_like(tensors["model/embed.weight"])
     elif damage == "rng size":
         tensors["rng/data"] = torch.zeros(10, dtype=torch.uint8)
+    elif damage == "rng state":
+        tensors["rng/torch"] = torch.zeros_like(tensors["rng/torch"])
     elif damage == "nan weight":
         embed = tensors["model/embed.weight"].clone()
         embed[3, 0] = math.nan
@@ -360,6 +363,7 @@ def test_resume_checks_every_tensor_and_field_before_the_first_step(spec_run, bu
         "optimizer shape": "layers.0.attn.q_proj.weight/momentum_buffer [3, 3] (expected a float tensor of shape [",
         "optimizer slot": "embed.weight/momentum_buffer [256, 256] (no such state)",
         "rng size": "rng/data is not a random-generator state",
+        "rng state": "rng/torch is not a valid random-generator state (Invalid mt19937 state)",
         "nan weight": "holds non-finite values in model/embed.weight",
         "meta type": "has bad training metadata: optimizer: Input should be a valid dictionary",
     }[damage]
