@@ -203,7 +203,7 @@ def _merge(base: dict, top: dict) -> dict:
 def _load_file(
     path: Path, chain: tuple[Path, ...], loc: Loc | str, field: Path_, root: Path | None
 ) -> tuple[dict, dict]:
-    """A spec file merged over the files its `extends:` chain names; `root` bounds where those may be (None: anywhere)."""
+    """A spec file merged over the files its `extends:` chain names; `root` bounds where those lie (None: anywhere)."""
     path = path.resolve() if path.exists() else path
     if path in chain:
         cycle = " -> ".join(p.name for p in chain + (path,))
