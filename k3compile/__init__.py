@@ -11,11 +11,12 @@ def load(path):
 
 
 def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
-          stop_after=None, init_from=None):
+          stop_after=None, init_from=None, extends_anywhere=False):
     """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train)."""
     from k3compile.runtime.train import train as _train
 
-    return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from)
+    return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from,
+                  extends_anywhere)
 
 
 def from_hf(hf_dir, out=None, *, name=None, mode="both", overrides=(), max_shard_bytes=None, spec_only=False):

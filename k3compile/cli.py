@@ -9,19 +9,28 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 
 from k3compile import __version__
 
 EXIT_BAD_INPUT = 2
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 
 class UsageError(Exception):
     """Bad command-line input that is not a spec error (one line, exit 2)."""
 
 
+def _add_extends_anywhere(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--extends-anywhere", action="store_true",
+                   help="let `extends:` follow absolute paths and paths outside the spec root (the working folder, "
+                   "or the spec's own folder when it lies outside that); only for specs you trust")
+
+
 def _add_spec_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> None:
     p.add_argument("spec", help="path to a spec YAML file")
+    _add_extends_anywhere(p)
     if overrides:
         p.add_argument(
             "--set",
@@ -89,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", help="first spec")
     p.add_argument("b", help="second spec")
+    _add_extends_anywhere(p)
     p.add_argument("--context", type=_positive, default=None, help="context length for derived numbers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
@@ -136,6 +146,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exactly where a run stopped.",
     )
     p.add_argument("spec", metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
+    _add_extends_anywhere(p)
     p.add_argument("--steps", type=int, required=True, help="optimizer steps in total (the schedule's length)")
     p.add_argument("--data", help="a text file or a folder of text files (default: the Python stdlib's sources)")
     p.add_argument("--out", help="run folder (default: runs/<spec name>)")
@@ -189,7 +200,7 @@ def _cmd_stats(args) -> None:
     from k3compile.report import print_stats
     from k3compile.spec.load import load_spec
 
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
     stats = spec_stats(spec, args.context, args.batch)
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -201,14 +212,15 @@ def _cmd_check(args) -> None:
     from k3compile.report import print_check
     from k3compile.spec.load import load_spec
 
-    print_check(load_spec(args.spec, args.overrides), args.spec)
+    print_check(load_spec(args.spec, args.overrides, args.extends_anywhere), args.spec)
 
 
 def _cmd_diff(args) -> None:
     from k3compile.report import print_diff, spec_diff
     from k3compile.spec.load import load_spec
 
-    diff = spec_diff(load_spec(args.a), load_spec(args.b), args.context)
+    a, b = (load_spec(p, extends_anywhere=args.extends_anywhere) for p in (args.a, args.b))
+    diff = spec_diff(a, b, args.context)
     if args.json:
         print(json.dumps(diff, indent=2))
     else:
@@ -222,7 +234,7 @@ def _cmd_build(args) -> None:
     from k3compile.report import print_build
     from k3compile.spec.load import load_spec
 
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
     known = [p.name for p in pipeline()]
     for name in args.disable_pass + [d for d in args.dump_after if d != "all"]:
         if name not in known:
@@ -254,14 +266,18 @@ def _cmd_generate(args) -> None:
     import time
 
     from k3compile.runtime.generate import (
-        GenerateError, build_spec, check_request, encode, generate_tokens, load_build, load_inference_model,
+        GenerateError, build_spec, check_request, check_weights, encode, generate_tokens, load_build,
+        load_inference_model,
         stream_text,
     )
 
+    if not SEED_RANGE[0] <= args.seed < SEED_RANGE[1]:
+        raise UsageError(f"--seed must be an integer in [-2^63, 2^64), got {args.seed}")
     try:
         module = load_build(args.build)
         prompt = encode(args.prompt)
         check_request(build_spec(module), prompt, args.max_new_tokens, args.temperature, args.top_p)
+        check_weights(module, args.checkpoint)
         if args.checkpoint is None:
             print(f"note: no --checkpoint: using the seeded initial weights of {args.build}", file=sys.stderr)
         model = load_inference_model(module, args.checkpoint)
@@ -289,7 +305,8 @@ def _cmd_train(args) -> None:
 
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
-              eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from)
+              eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from,
+              extends_anywhere=args.extends_anywhere)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
 
@@ -342,9 +359,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # train's Interrupted carries the signal: 130 for Ctrl-C, 143 for SIGTERM
+        signum = getattr(e, "signum", signal.SIGINT)
+        stopped = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(stopped, file=sys.stderr)
+        return 128 + signum
     return 0
 
 
