@@ -139,8 +139,10 @@ def render(results: dict[str, list[dict]]) -> str:
         for r in rows:
             line = (f"| {name} | {r['context']:,} | {r['kda_state']:,} | {r['mla_latent']:,} | {r['total']:,} "
                     f"| {r['graph_tok_s']:.2f} | {1e3 * r['graph_cpu_s']:.1f} |")
-            if compiled:
+            if compiled and "compiled_tok_s" in r:
                 line += f" {r['compiled_tok_s']:.2f} | {1e3 * r['compiled_cpu_s']:.1f} |"
+            elif compiled:
+                line += " - | - |"
             lines.append(line)
     return "\n".join(lines)
 
