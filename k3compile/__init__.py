@@ -16,3 +16,11 @@ def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(),
     from k3compile.runtime.train import train as _train
 
     return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after)
+
+
+def export_onnx(build, out_dir, graph="infer", weights=None, mx="fp4", opset=None, check=False):
+    """Export a build's compiled graph to `out_dir/<graph>.onnx` (see k3compile.emit.onnx.export.export_onnx)."""
+    from k3compile.emit.onnx import DEFAULT_OPSET
+    from k3compile.emit.onnx.export import export_onnx as _export_onnx
+
+    return _export_onnx(build, out_dir, graph, weights, mx, DEFAULT_OPSET if opset is None else opset, check)

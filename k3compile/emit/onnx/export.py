@@ -40,13 +40,10 @@ from onnxscript import version_converter
 from torch import nn
 from torch.onnx._internal.exporter import _core, _registration
 
+from k3compile.emit.onnx import DEFAULT_OPSET, FP4_MIN_OPSET, GRAPHS, MAX_OPSET, MIN_OPSET, MX_REPRESENTATIONS, WEIGHTS
 from k3compile.emit.onnx import functions as k3fn
 from k3compile.emit.onnx import translate
 
-GRAPHS = ("infer", "prefill", "decode", "train")
-WEIGHTS = ("inline", "external", "none")
-DEFAULT_OPSET = k3fn.FP4_MIN_OPSET
-MAX_OPSET = 25  # the newest opset onnxscript's version converter writes
 PROTOBUF_LIMIT = 2**31 - 2**24  # a model file past 2 GB cannot hold its weights inline; keep a margin
 EXAMPLE_TOKENS = (2, 100)  # traced with batch 2 and 100 tokens (two KDA chunks): sizes above 1 stay symbolic
 
@@ -123,13 +120,13 @@ def _check_options(graph: str, weights: str | None, mx: str, opset: int) -> None
         raise ExportError(f"unknown graph {graph!r}; graphs are: {', '.join(GRAPHS)}, all")
     if weights is not None and weights not in WEIGHTS:
         raise ExportError(f"unknown weights mode {weights!r}; choose one of: {', '.join(WEIGHTS)}")
-    if mx not in k3fn.MX_REPRESENTATIONS:
-        raise ExportError(f"unknown MX representation {mx!r}; choose one of: {', '.join(k3fn.MX_REPRESENTATIONS)}")
-    if mx == "fp4" and opset < k3fn.FP4_MIN_OPSET:
+    if mx not in MX_REPRESENTATIONS:
+        raise ExportError(f"unknown MX representation {mx!r}; choose one of: {', '.join(MX_REPRESENTATIONS)}")
+    if mx == "fp4" and opset < FP4_MIN_OPSET:
         raise ExportError(f"opset {opset} is too low for --mx fp4: FLOAT4E2M1 data with FLOAT8E8M0 scales in "
-                          f"DequantizeLinear need opset {k3fn.FP4_MIN_OPSET} (or use --mx uint8)")
-    if not k3fn.MIN_OPSET <= opset <= MAX_OPSET:
-        raise ExportError(f"opset {opset} is not supported; choose {k3fn.MIN_OPSET} to {MAX_OPSET}")
+                          f"DequantizeLinear need opset {FP4_MIN_OPSET} (or use --mx uint8)")
+    if not MIN_OPSET <= opset <= MAX_OPSET:
+        raise ExportError(f"opset {opset} is not supported; choose {MIN_OPSET} to {MAX_OPSET}")
 
 
 def export_onnx(
@@ -181,7 +178,7 @@ def _on_meta(module: nn.Module) -> bool:
 def _recording_library() -> k3fn.Library:
     """The functions the translation records calls of. Their bodies are replaced by the requested opset's and
     MX representation's in `finish`, so one trace serves every opset and representation."""
-    return k3fn.define(k3fn.MIN_OPSET, "uint8")
+    return k3fn.define(MIN_OPSET, "uint8")
 
 
 def trace(g: ExportGraph) -> ir.Model:

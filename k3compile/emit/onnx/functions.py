@@ -32,12 +32,10 @@ from onnx import numpy_helper
 from onnxscript import BOOL, FLOAT, INT64, graph
 from onnxscript.values import Opset
 
+from k3compile.emit.onnx import FP4_MIN_OPSET, MIN_OPSET, MX_REPRESENTATIONS
 from k3compile.kernels.mx import E2M1_MAGNITUDES, E8M0_BIAS, MX_FORMATS
 
 DOMAIN = "k3"
-MX_REPRESENTATIONS = ("fp4", "uint8")
-FP4_MIN_OPSET = 24  # DequantizeLinear takes FLOAT4E2M1 data from opset 23 and FLOAT8E8M0 scales from 24
-MIN_OPSET = 18  # the opset torch's ONNX exporter writes its ATen translations for
 
 # ONNX element types, for Cast's `to`
 F32 = onnx.TensorProto.FLOAT
