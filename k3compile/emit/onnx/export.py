@@ -34,6 +34,7 @@ from pathlib import Path
 from types import ModuleType
 
 import ml_dtypes
+import numpy as np
 import onnx_ir as ir
 import torch
 from onnxscript import version_converter
@@ -255,24 +256,35 @@ def _weights_as_inputs(model: ir.Model, state: set[str]) -> None:
 
 def _fp4_payloads(model: ir.Model) -> None:
     """MXFP4 operands of the k3 MX functions to their ONNX types: payload UINT8 [..., n/2] -> FLOAT4E2M1
-    [..., n], scales UINT8 -> FLOAT8E8M0, same bytes. They must be weights (initializers or graph inputs)
-    that only MX functions read."""
-    done = set()
+    [..., n], scales UINT8 -> FLOAT8E8M0, same bytes. An operand is a weight (initializer or graph input), or a
+    Reshape of its leading dims (shard_experts' [ranks, experts, ...] view), retyped back to the weight."""
+    done: set[str] = set()
     for node in model.graph:
-        for data_at, scale_at in k3fn.MX_OPERANDS.get(node.op_type, ()) if node.domain == k3fn.DOMAIN else ():
-            for value, packed in ((node.inputs[data_at], True), (node.inputs[scale_at], False)):
-                if value.name not in done:
-                    _retype(value, packed)
-                    done.add(value.name)
+        operands = k3fn.MX_OPERANDS.get(node.op_type, ()) if node.domain == k3fn.DOMAIN else ()
+        for data_at, scale_at in operands:
+            _retype(model.graph, node.inputs[data_at], True, done)
+            _retype(model.graph, node.inputs[scale_at], False, done)
 
 
-def _retype(value: ir.Value, packed: bool) -> None:
-    if not (value.is_initializer() or value.is_graph_input()):
-        raise ExportError(f"MX operand {value.name} is computed in the graph, not a weight; export with --mx uint8")
-    readers = {(use.node.domain, use.node.op_type) for use in value.uses()}
-    if any(domain != k3fn.DOMAIN or op_type not in k3fn.MX_OPERANDS for domain, op_type in readers):
+def _retype(graph: ir.Graph, value: ir.Value, packed: bool, done: set[str]) -> None:
+    if value.name in done:
+        return
+    readers = [use.node for use in value.uses()]
+    if not all((r.domain == k3fn.DOMAIN and r.op_type in k3fn.MX_OPERANDS) or r.op_type == "Reshape" for r in readers):
         raise ExportError(f"MX operand {value.name} is read by ops other than the MX functions; export with --mx uint8")
+    producer = value.producer()
     dims = list(value.shape)
+    if value.is_initializer() or value.is_graph_input():
+        pass
+    elif producer is not None and producer.op_type == "Reshape" and _keeps_last_dim(producer):
+        _retype(graph, producer.inputs[0], packed, done)
+        if packed:
+            target = np.array(dims[:-1] + [2 * dims[-1]], dtype=np.int64)
+            shape = ir.node("Constant", [], attributes={"value": ir.tensor(target)})
+            graph.insert_before(producer, shape)
+            producer.replace_input_with(1, shape.outputs[0])
+    else:
+        raise ExportError(f"MX operand {value.name} is computed in the graph, not a weight; export with --mx uint8")
     if packed:
         dims[-1] *= 2
     dtype = ir.DataType.FLOAT4E2M1 if packed else ir.DataType.FLOAT8E8M0
@@ -284,6 +296,15 @@ def _retype(value: ir.Value, packed: bool) -> None:
             value.const_value = ir.Tensor(raw.view(ml_dtypes.float8_e8m0fnu), name=value.name)
     value.type = ir.TensorType(dtype)
     value.shape = ir.Shape(dims)
+    done.add(value.name)
+
+
+def _keeps_last_dim(reshape: ir.Node) -> bool:
+    """Whether a Reshape only regroups leading dims into a static shape: the same static last dim in and out."""
+    source, out = reshape.inputs[0].shape, reshape.outputs[0].shape
+    if source is None or out is None or not all(isinstance(d, int) for d in out):
+        return False
+    return isinstance(source[-1], int) and out[-1] == source[-1]
 
 
 def _name_axes(model: ir.Model, axis_names: dict[str, tuple[str, ...]]) -> None:
