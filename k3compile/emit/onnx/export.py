@@ -14,6 +14,11 @@ for the k3 ops. Then, on the ONNX IR:
    metadata_props (spec hash, compiler, graph, target).
 The file is written only once all of it succeeded, through a temporary folder: bad input writes nothing.
 
+torch.onnx.export(..., dynamo=True, custom_translation_table=...) always ends in onnxscript's version
+converter, which inlines every local function, k3 ones included. So `trace` calls the function it wraps,
+torch.onnx._internal.exporter._core.export, with the same registry (torchlib plus the translation
+table) and no target opset, and step 1 converts the opset itself. torch is pinned (2.13) for this.
+
 `graph_of` is the one place that knows how an emitted package exposes its graphs.
 """
 
@@ -151,15 +156,15 @@ def export_onnx(
     package, manifest = _load_build(build)
     kinds = available_graphs(package) if graph == "all" else [graph]
     graphs = [graph_of(package, kind) for kind in kinds]
+    modes = [weights or ("none" if _on_meta(g.module) else "inline") for g in graphs]
+    if any(mode != "none" and _on_meta(g.module) for g, mode in zip(graphs, modes)):
+        raise ExportError("the build's weights are on the meta device (shapes only): export it with --weights none")
     lib = k3fn.define(opset, mx)
     results = []
-    for g in graphs:
-        mode = weights or ("none" if _on_meta(g.module) else "inline")
-        if mode != "none" and _on_meta(g.module):
-            raise ExportError("the build's weights are on the meta device (shapes only): export it with --weights none")
+    for g, mode in zip(graphs, modes):
         start = time.perf_counter()
         model = finish(trace(g), g, lib, mode, manifest)
-        files, notes = _save(model, Path(out_dir), g.kind, mode)
+        files, notes = save(model, Path(out_dir), g.kind, mode)
         calls = Counter(n.op_type for n in model.graph if n.domain == k3fn.DOMAIN)
         result = Exported(g.kind, files[0], files, sum(p.stat().st_size for p in files),
                           time.perf_counter() - start, calls, notes=notes)
@@ -329,7 +334,7 @@ def _name_axes(model: ir.Model, axis_names: dict[str, tuple[str, ...]]) -> None:
             value.shape = renamed(value.shape)
 
 
-def _save(model: ir.Model, out_dir: Path, kind: str, weights: str) -> tuple[list[Path], list[str]]:
+def save(model: ir.Model, out_dir: Path, kind: str, weights: str) -> tuple[list[Path], list[str]]:
     """Write `<kind>.onnx` (and `<kind>.onnx.data` for external weights) into out_dir, all or nothing."""
     notes = []
     weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
