@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import operator
 import os
 import re
 import shutil
@@ -44,7 +45,7 @@ import onnx_ir as ir
 import torch
 from onnxscript import version_converter
 from torch import nn
-from torch.onnx._internal.exporter import _core, _registration
+from torch.onnx._internal.exporter import _core, _fx_passes, _registration
 
 from k3compile.emit.onnx import DEFAULT_OPSET, FP4_MIN_OPSET, GRAPHS, MAX_OPSET, MIN_OPSET, MX_REPRESENTATIONS, WEIGHTS
 from k3compile.emit.onnx import functions as k3fn
@@ -189,15 +190,63 @@ def _recording_library() -> k3fn.Library:
 
 def trace(g: ExportGraph) -> ir.Model:
     """torch.export of `g`, translated by torch's exporter: the main graph at the exporter's opset (18), its
-    k3 ops as calls of k3 functions. The expensive half of an export; `finish` makes it a model."""
+    k3 ops as calls of k3 functions, inputs and outputs named. The expensive half of an export; `finish`
+    makes it a model.
+
+    The exporter normally re-traces the program through run_decompositions first; for a graph whose every op
+    it can translate as captured (the k3 graphs: k3 ops and a few dozen ATen ops, no mutation) that retrace
+    is skipped. It is most of the cost, and quadratic in the number of weights (torch's signature
+    bookkeeping): Kimi K3's 3012 weights make it about 80 s of the export's 110.
+    """
     with _quiet(), torch.no_grad():
         registry = _registration.ONNXRegistry.from_torchlib()
         for target, translation in translate.table(_recording_library()).items():
             registry.register_op(target, translation)
         program = torch.export.export(g.module, g.args, dynamic_shapes=g.dynamic_shapes, strict=False)
-        onnx_program = _core.export(program, registry=registry, input_names=g.input_names,
-                                    output_names=g.output_names, optimize=False, verbose=False)
-    return onnx_program.model
+        if _translatable_as_captured(program.graph, registry):
+            _prepare_captured(program)
+            model = _core._exported_program_to_onnx_program(program, registry=registry).model
+        else:
+            model = _core.export(program, registry=registry, optimize=False, verbose=False).model
+    user_inputs = [v for v in model.graph.inputs if not v.is_initializer()]
+    for value, name in zip(user_inputs, g.input_names, strict=True):
+        value.name = name
+    for value, name in zip(model.graph.outputs, g.output_names, strict=True):
+        value.name = name
+    return model
+
+
+_ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._assert_scalar.default,
+               torch.ops.aten.sym_constrain_range_for_size.default)
+
+
+def _translatable_as_captured(graph: torch.fx.Graph, registry) -> bool:
+    """No op mutates, and every op has a translation, is an assertion, or computes a dtype (folded)."""
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is operator.getitem or node.target in _ASSERTIONS:
+            continue
+        if node.target is torch.ops.aten.promote_types.default:
+            continue
+        if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
+            return False
+        if not registry.is_registered(node.target):
+            return False
+    return True
+
+
+def _prepare_captured(program: torch.export.ExportedProgram) -> None:
+    """What the exporter's own preparation does after its retrace, on the captured graph: dtype arithmetic
+    (`torch.promote_types` in emitted code) folded to its value, unused outputs (the ops' extra outputs for
+    their backward) dropped, explicit type promotion, assertions removed."""
+    gm = program.graph_module
+    for node in list(gm.graph.nodes):
+        if node.target is torch.ops.aten.promote_types.default:
+            for user in list(node.users):
+                user.replace_input_with(node, node.meta["val"])
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    _fx_passes.insert_type_promotion_nodes(gm)
+    program._graph_module = _fx_passes.remove_assertion_nodes(gm)
 
 
 def finish(model: ir.Model, g: ExportGraph, lib: k3fn.Library, weights: str, manifest: dict) -> ir.Model:

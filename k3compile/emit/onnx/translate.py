@@ -60,7 +60,8 @@ def _glu(kind: str, functions: dict, prefix: str):
 
 
 def table(lib: Library) -> dict[Callable, Callable]:
-    """{torch.ops.k3.<op>.default: translation} for every translated op, calling `lib`'s functions."""
+    """{torch.ops.k3.<op>.default: translation} for every translated op, calling `lib`'s functions, and the
+    one ATen op (aten.to.dtype) the captured k3 graphs hold that torchlib has no translation for."""
     f = lib.functions
 
     def rms_norm(x, weight, eps: float, backend: str = "auto"):
@@ -177,6 +178,9 @@ def table(lib: Library) -> dict[Callable, Callable]:
     def moe_combine(expert_out, weights, slots, backend: str = "auto"):
         return f["moe_combine"](expert_out, weights, slots)
 
+    def to_dtype(x, dtype: int, non_blocking: bool = False, copy: bool = False, memory_format=None):
+        return op.Cast(x, to=dtype)
+
     translations = {
         "rms_norm": rms_norm, "l2_norm": l2_norm, "rms_norm_gate": rms_norm_gate, "add_rms_norm": add_rms_norm,
         "attn_res": attn_res, "situ_glu": situ_glu, "swiglu": swiglu, "gelu": gelu, "linear_glu": linear_glu,
@@ -187,4 +191,8 @@ def table(lib: Library) -> dict[Callable, Callable]:
         "moe_route": moe_route, "linear_route": linear_route, "moe_dispatch": moe_dispatch,
         "moe_combine": moe_combine,
     }
-    return {getattr(K3, name).default: fn for name, fn in translations.items()}
+    table = {getattr(K3, name).default: fn for name, fn in translations.items()}
+    # aten.to.dtype (`.float()` in emitted code) reaches the exporter untranslated when export skips the
+    # decomposition retrace (k3compile.emit.onnx.export.trace): torchlib only translates what it decomposes to.
+    table[torch.ops.aten.to.dtype] = to_dtype
+    return table

@@ -159,6 +159,30 @@ def test_translations_of_ops_outside_k3_tiny(tmp_path):
                              "mx_linear"])
 
 
+def test_a_mutating_graph_takes_the_exporters_decomposing_path(tmp_path):
+    """An in-place op is not translatable as captured: trace hands the program to the exporter's own
+    decomposition (functionalisation), and the k3 op still becomes its function."""
+    import onnxruntime as ort
+    from torch.onnx._internal.exporter import _registration
+
+    class Mutating(torch.nn.Module):
+        def forward(self, x):
+            y = x.clone()
+            y.add_(1.0)
+            return torch.ops.k3.rms_norm.default(y, x[0, 0], 1e-5)
+
+    x = torch.randn(2, 3, 4)
+    captured = torch.export.export(Mutating(), (x,), strict=False)
+    assert not E._translatable_as_captured(captured.graph, _registration.ONNXRegistry.from_torchlib())
+    graph = E.ExportGraph("infer", Mutating(), (x,), ("x",), ("y",), None, {})
+    manifest = {"spec": {"name": "mutating", "sha256": "-"}, "compiler": "-", "target": "cpu"}
+    lib = F.define(24, "uint8")
+    (path,), _ = E.save(E.finish(E.trace(graph), graph, lib, "inline", manifest), tmp_path, "infer", "inline")
+    (got,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+    np.testing.assert_allclose(got, Mutating()(x).numpy(), rtol=1e-6, atol=1e-6)
+    assert k3check.k3_calls(onnx.load(str(path))) == Counter(rms_norm=1)
+
+
 @pytest.mark.parametrize("argv,message", [
     (["/nonexistent/build"], "is not a k3compile build"),
     (["BUILD", "--graph", "everything"], "unknown graph 'everything'"),

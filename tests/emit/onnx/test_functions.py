@@ -71,13 +71,13 @@ def test_every_k3_op_is_translated_or_listed():
 
     ops = {n for n in dir(torch.ops.k3) if isinstance(getattr(torch.ops.k3, n), torch._ops.OpOverloadPacket)}
     forward = {n for n in ops if not n.endswith("_bwd")}
-    translated = {target.name().split("::")[1] for target in translate.table(F.define(24, "uint8"))}
+    translated = {target.name().split("::")[1] for target in translate.table(F.define(24, "uint8")) if target.namespace == "k3"}
     assert forward == translated | set(translate.UNTRANSLATED)
     assert not translated & set(translate.UNTRANSLATED)
 
 
 def test_every_function_declares_its_op(lib):
-    assert set(lib.ops.values()) <= {target.name().split("::")[1] for target in translate.table(lib)}
+    assert set(lib.ops.values()) <= {target.name().split("::")[1] for target in translate.table(lib) if target.namespace == "k3"}
     for name, fn in lib.functions.items():
         assert fn.name == name
 
