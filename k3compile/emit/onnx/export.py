@@ -42,6 +42,7 @@ from types import ModuleType
 import ml_dtypes
 import numpy as np
 import onnx_ir as ir
+import onnx_ir.passes.common
 import torch
 from onnxscript import version_converter
 from torch import nn
@@ -172,7 +173,7 @@ def export_onnx(
         if check:
             from k3compile.emit.onnx.check import check_file
 
-            result.check = check_file(result.path, g, lib, numerics=mode != "none")
+            result.check = check_file(result.path, g, lib, numerics=mode != "none", target=manifest["target"])
         results.append(result)
     return results
 
@@ -196,7 +197,7 @@ def trace(g: ExportGraph) -> ir.Model:
     The exporter normally re-traces the program through run_decompositions first; for a graph whose every op
     it can translate as captured (the k3 graphs: k3 ops and a few dozen ATen ops, no mutation) that retrace
     is skipped. It is most of the cost, and quadratic in the number of weights (torch's signature
-    bookkeeping): Kimi K3's 3012 weights make it about 80 s of the export's 110.
+    bookkeeping): on Kimi K3 (3012 weights) it took 78 s of CPU, the rest of the export 35.
     """
     with _quiet(), torch.no_grad():
         registry = _registration.ONNXRegistry.from_torchlib()
@@ -311,20 +312,26 @@ def _weights_as_inputs(model: ir.Model, state: set[str]) -> None:
 def _fp4_payloads(model: ir.Model) -> None:
     """MXFP4 operands of the k3 MX functions to their ONNX types: payload UINT8 [..., n/2] -> FLOAT4E2M1
     [..., n], scales UINT8 -> FLOAT8E8M0, same bytes. An operand is a weight (initializer or graph input), or a
-    Reshape of its leading dims (shard_experts' [ranks, experts, ...] view), retyped back to the weight."""
-    done: set[str] = set()
+    Reshape of its leading dims (shard_experts' [ranks, experts, ...] view), retyped back to the weight; such a
+    Reshape gets its static target as a constant, so the Shape ops that computed it (from the packed shape) go."""
+    done: dict[str, ir.Value] = {}
     for node in model.graph:
         operands = k3fn.MX_OPERANDS.get(node.op_type, ()) if node.domain == k3fn.DOMAIN else ()
         for data_at, scale_at in operands:
             _retype(model.graph, node.inputs[data_at], True, done)
             _retype(model.graph, node.inputs[scale_at], False, done)
+    ir.passes.common.RemoveUnusedNodesPass()(model)
+    for value in done.values():  # a payload's shape now counts elements, no longer bytes
+        if value.type.dtype == ir.DataType.FLOAT4E2M1 and any(use.node.op_type == "Shape" for use in value.uses()):
+            raise ExportError(f"the shape of MX operand {value.name} is read in the graph; export with --mx uint8")
 
 
-def _retype(graph: ir.Graph, value: ir.Value, packed: bool, done: set[str]) -> None:
+def _retype(graph: ir.Graph, value: ir.Value, packed: bool, done: dict[str, ir.Value]) -> None:
     if value.name in done:
         return
-    readers = [use.node for use in value.uses()]
-    if not all((r.domain == k3fn.DOMAIN and r.op_type in k3fn.MX_OPERANDS) or r.op_type == "Reshape" for r in readers):
+    allowed = {"Reshape", "Shape"}
+    if not all((u.node.domain == k3fn.DOMAIN and u.node.op_type in k3fn.MX_OPERANDS) or u.node.op_type in allowed
+               for u in value.uses()):
         raise ExportError(f"MX operand {value.name} is read by ops other than the MX functions; export with --mx uint8")
     producer = value.producer()
     dims = list(value.shape)
@@ -350,7 +357,7 @@ def _retype(graph: ir.Graph, value: ir.Value, packed: bool, done: set[str]) -> N
             value.const_value = ir.Tensor(raw.view(ml_dtypes.float8_e8m0fnu), name=value.name)
     value.type = ir.TensorType(dtype)
     value.shape = ir.Shape(dims)
-    done.add(value.name)
+    done[value.name] = value
 
 
 def _keeps_last_dim(reshape: ir.Node) -> bool:
