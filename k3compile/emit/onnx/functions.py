@@ -430,7 +430,8 @@ def _kda(op, k3, mx, lib):
           [W | U] = (I + Diag(beta) A_kk)^-1 Diag(beta) [exp(G) * K | V]   (forward substitution, a Loop),
           S <- (Diag(exp(G_C)) - Kc^T W) S + Kc^T U with Kc = exp(G_C - G) * K   (a Scan over the chunks),
           O = scale ((exp(G) * Q) S + A_qk (U - W S)), S the state entering the chunk.
-        exp(G_i - G_j) is taken pairwise and masked before the exp, so no factor ever exceeds 1.
+        exp(G_i - G_j) is taken pairwise and masked before the exp, so no factor ever exceeds 1; that holds
+        N B H C C K floats at once (the kernels' blockwise factoring is not restated here).
         Padded tokens (k = 0, g = 0) leave the state alone.
         """
         qc = kda_to_chunks(q, chunk_size=chunk_size)
