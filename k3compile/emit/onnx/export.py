@@ -92,17 +92,30 @@ def available_graphs(package: ModuleType) -> list[str]:
     return ["infer"] if hasattr(package, "InferenceModel") else []
 
 
+@lru_cache(maxsize=None)
+def _prefill_logits(cls: type) -> type:
+    """`cls` whose forward is its prefill graph from empty caches, logits only: what torch.export traces."""
+    from k3compile.modules.model import empty_caches
+
+    def forward(self, tokens):
+        caches = empty_caches(self.spec, tokens.shape[0], tokens.shape[1], tokens.device, self.embed.weight.dtype)
+        return self.prefill_graph(tokens, caches)[0]
+
+    return type(f"{cls.__name__}Prefill", (cls,), {"forward": forward})
+
+
 def graph_of(package: ModuleType, kind: str) -> ExportGraph:
     """The `kind` graph of an emitted package, ready for torch.export.
 
-    "infer" is InferenceModel.forward: tokens [batch, seq] -> logits [batch, seq, vocab], through the
-    infer graph (every pass, MXFP4-packed experts). The prefill, decode and train graphs plug in here once
-    packages emit them, with their cache inputs and outputs named (kda_state.<layer>, mla_cache.<layer>).
+    "infer" is the compiled prefill graph from empty caches: tokens [batch, seq] -> logits [batch, seq, vocab]
+    (every pass, MXFP4-packed experts). The decode and train graphs plug in here, with their cache inputs
+    and outputs named (kda_state.<layer>, mla_cache.<layer>).
     """
     if kind not in available_graphs(package):
         have = ", ".join(available_graphs(package)) or "none"
         raise ExportError(f"the build has no {kind} graph (graphs in this build: {have})")
     model = package.InferenceModel().eval()
+    model.__class__ = _prefill_logits(type(model))  # same tensors and names, forward = the prefill graph
     device = next(iter(model.state_dict().values())).device
     tokens = torch.zeros(EXAMPLE_TOKENS, dtype=torch.long, device=device)
     dynamic = torch.export.Dim.DYNAMIC
@@ -111,11 +124,11 @@ def graph_of(package: ModuleType, kind: str) -> ExportGraph:
 
 
 def _load_build(build: str | Path) -> tuple[ModuleType, dict]:
-    from k3compile.loader import load
+    from k3compile.loader import BuildLoadError, load
 
     try:
         package = load(build)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, BuildLoadError) as e:
         raise ExportError(str(e)) from None
     except (ImportError, SyntaxError) as e:
         raise ExportError(f"{build}: cannot import the build ({type(e).__name__}: {e}); rebuild it") from None

@@ -33,8 +33,6 @@ UNTRANSLATED = {
     "mx_quantize": "builds MX weights, which the graphs receive already packed",
     "kda_recurrent": "no graph uses it (KDA runs chunked, and one token at a time through kda_decode_step)",
     "mla_rope": "no shipped spec rotates its MLA keys (rope: false); no graph uses it",
-    "token_mixer": "a lowering placeholder (k3compile.ir.generic_ops) the interleave pass replaces",
-    "depth_mix": "a lowering placeholder (k3compile.ir.generic_ops) the attn_res pass replaces",
 }
 
 
