@@ -11,11 +11,12 @@ def load(path):
 
 
 def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
-          stop_after=None, init_from=None):
+          stop_after=None, init_from=None, extends_anywhere=False):
     """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train)."""
     from k3compile.runtime.train import train as _train
 
-    return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from)
+    return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from,
+                  extends_anywhere)
 
 
 def from_hf(hf_dir, out=None, *, name=None, mode="both", overrides=(), max_shard_bytes=None, spec_only=False):
@@ -27,3 +28,11 @@ def from_hf(hf_dir, out=None, *, name=None, mode="both", overrides=(), max_shard
 
     return import_hf(hf_dir, out, name=name, mode=mode, overrides=overrides, max_shard_bytes=max_shard_bytes,
                      spec_only=spec_only)
+
+
+def export_onnx(build, out_dir, graph="infer", weights=None, mx="fp4", opset=None, check=False):
+    """Export a build's compiled graph to `out_dir/<graph>.onnx` (see k3compile.emit.onnx.export.export_onnx)."""
+    from k3compile.emit.onnx import DEFAULT_OPSET
+    from k3compile.emit.onnx.export import export_onnx as _export_onnx
+
+    return _export_onnx(build, out_dir, graph, weights, mx, DEFAULT_OPSET if opset is None else opset, check)

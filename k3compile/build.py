@@ -8,8 +8,11 @@ meta device, so a 2.8T-parameter model builds in seconds with no weight memory.
 
 from __future__ import annotations
 
+import functools
+import importlib.metadata
 import json
 import keyword
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +24,8 @@ from k3compile.analysis.params import param_counts
 from k3compile.analysis.stats import spec_stats
 from k3compile.emit.codegen import model_source, spec_hash
 from k3compile.emit.package import check_dest, write_package
-from k3compile.ir.lower import build_model, lower
+from k3compile.ir.lower import MIXERS, build_model, lower
+from k3compile.modules.model import DEPTH_SITES
 from k3compile.ir.pass_manager import GraphPass, PassContext, PassManager, PassRecord
 from k3compile.ir.verify import format_graph
 from k3compile.spec.schema import Spec
@@ -29,6 +33,12 @@ from k3compile.spec.schema import Spec
 REAL_WEIGHTS_MAX_PARAMS = 200_000_000  # above this, lower on the meta device
 MODES = ("train", "infer")
 GRAPHS_OF_MODE = {"train": ("train",), "infer": ("prefill", "decode")}
+# The submodule calls lowering keeps, in pipeline order, and the pass that turns each into ops.
+RESOLVED_BY = {MIXERS: "interleave", DEPTH_SITES: "attn_res"}
+
+
+class UnrunnableBuild(ValueError):
+    """The passes left a graph that cannot run (a needed pass was disabled): no package is written."""
 
 
 def pipeline() -> list[GraphPass]:
@@ -96,6 +106,20 @@ def compile_graphs(
     return out
 
 
+def check_runnable(compiled: dict[str, CompiledGraph]) -> None:
+    """Refuse graphs that still call a kept submodule: their package would fail at its first forward."""
+    for graph, c in compiled.items():
+        left = [c.gm.get_submodule(n.target) for n in c.gm.graph.nodes if n.op == "call_module"]
+        kinds = next((k for k in RESOLVED_BY if any(isinstance(m, k) for m in left)), None)
+        if kinds is not None:
+            needed = RESOLVED_BY[kinds]
+            name = next(type(m).__name__ for m in left if isinstance(m, kinds))
+            raise UnrunnableBuild(
+                f"the {graph} graph still calls {name} modules, so the package could not run; "
+                f"it needs the {needed} pass (drop --disable-pass {needed})"
+            )
+
+
 def binding_table(gm: fx.GraphModule) -> list[dict]:
     """One row per bound op kind: op, implementation, node count, reason."""
     rows: dict[tuple, dict] = {}
@@ -126,6 +150,7 @@ def build(
     dest = Path(out_dir) / package_name(spec)
     check_dest(dest)  # refuse before compiling, not after it
     compiled = compile_graphs(spec, modes, options, on_pass)
+    check_runnable(compiled)
     device = lowering_device(spec, options)
     pass_names = [r.name for r in next(iter(compiled.values())).records if r.status == "ran"]
     source = model_source(
@@ -163,9 +188,22 @@ def build(
 
 
 def package_name(spec: Spec) -> str:
-    """The emitted package's folder, an importable identifier: 'k3-tiny' -> 'k3_tiny', 'class' -> 'k3_class'."""
+    """The emitted package's folder, an importable identifier: 'k3-tiny' -> 'k3_tiny', 'class' -> 'k3_class'.
+
+    A name Python already imports something by ('torch', 'json', 'os') is prefixed too: `-o .` would
+    otherwise create ./torch/, which shadows the real package for any Python started in that folder.
+    """
     name = "".join(c if c.isalnum() or c == "_" else "_" for c in spec.name)
-    return name if name[0].isalpha() and not keyword.iskeyword(name) else f"k3_{name}"
+    clear = name[0].isalpha() and not keyword.iskeyword(name) and name not in importable_module_names()
+    return name if clear else f"k3_{name}"
+
+
+@functools.cache
+def importable_module_names() -> frozenset[str]:
+    """Top-level modules importable here whatever the working folder: the standard library's, the built-in
+    ones and those of every installed distribution (the same set on each call, unlike a sys.path search)."""
+    installed = importlib.metadata.packages_distributions()
+    return frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names) | frozenset(installed)
 
 
 def _init_source(spec: Spec, exports: list[str]) -> str:

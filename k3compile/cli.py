@@ -9,19 +9,28 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 
 from k3compile import __version__
 
 EXIT_BAD_INPUT = 2
+SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
 
 
 class UsageError(Exception):
     """Bad command-line input that is not a spec error (one line, exit 2)."""
 
 
+def _add_extends_anywhere(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--extends-anywhere", action="store_true",
+                   help="let `extends:` follow absolute paths and paths outside the spec root (the working folder, "
+                   "or the spec's own folder when it lies outside that); only for specs you trust")
+
+
 def _add_spec_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> None:
     p.add_argument("spec", help="path to a spec YAML file")
+    _add_extends_anywhere(p)
     if overrides:
         p.add_argument(
             "--set",
@@ -89,6 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("a", help="first spec")
     p.add_argument("b", help="second spec")
+    _add_extends_anywhere(p)
     p.add_argument("--context", type=_positive, default=None, help="context length for derived numbers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
@@ -110,6 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass (repeatable)")
     p.add_argument("--verify-numerics", action="store_true",
                    help="run a small real instance before and after each numerics-preserving pass; fail on a difference")
+    p.add_argument("--onnx", action="store_true",
+                   help="then export every graph of the build to DIR/<name>/onnx/<graph>.onnx (k3compile export's defaults)")
 
     p = sub.add_parser(
         "generate",
@@ -136,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
         "exactly where a run stopped.",
     )
     p.add_argument("spec", metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
+    _add_extends_anywhere(p)
     p.add_argument("--steps", type=int, required=True, help="optimizer steps in total (the schedule's length)")
     p.add_argument("--data", help="a text file or a folder of text files (default: the Python stdlib's sources)")
     p.add_argument("--out", help="run folder (default: runs/<spec name>)")
@@ -181,6 +194,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--out", required=True, help="output folder (absent or empty)")
     p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="largest shard, e.g. 5GB (default), 200MB")
+    _add_export_parser(sub)
     return parser
 
 
@@ -189,7 +203,7 @@ def _cmd_stats(args) -> None:
     from k3compile.report import print_stats
     from k3compile.spec.load import load_spec
 
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
     stats = spec_stats(spec, args.context, args.batch)
     if args.json:
         print(json.dumps(stats, indent=2))
@@ -201,14 +215,15 @@ def _cmd_check(args) -> None:
     from k3compile.report import print_check
     from k3compile.spec.load import load_spec
 
-    print_check(load_spec(args.spec, args.overrides), args.spec)
+    print_check(load_spec(args.spec, args.overrides, args.extends_anywhere), args.spec)
 
 
 def _cmd_diff(args) -> None:
     from k3compile.report import print_diff, spec_diff
     from k3compile.spec.load import load_spec
 
-    diff = spec_diff(load_spec(args.a), load_spec(args.b), args.context)
+    a, b = (load_spec(p, extends_anywhere=args.extends_anywhere) for p in (args.a, args.b))
+    diff = spec_diff(a, b, args.context)
     if args.json:
         print(json.dumps(diff, indent=2))
     else:
@@ -222,7 +237,7 @@ def _cmd_build(args) -> None:
     from k3compile.report import print_build
     from k3compile.spec.load import load_spec
 
-    spec = load_spec(args.spec, args.overrides)
+    spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
     known = [p.name for p in pipeline()]
     for name in args.disable_pass + [d for d in args.dump_after if d != "all"]:
         if name not in known:
@@ -248,20 +263,26 @@ def _cmd_build(args) -> None:
         except (PassFailure, NumericsMismatch, BuildDirError, ValueError) as e:
             raise UsageError(str(e)) from None
     print_build(dest, manifest)
+    if args.onnx:
+        _export_and_report(dest, dest / "onnx")
 
 
 def _cmd_generate(args) -> None:
     import time
 
     from k3compile.runtime.generate import (
-        GenerateError, build_spec, check_request, encode, generate_tokens, load_build, load_inference_model,
+        GenerateError, build_spec, check_request, check_weights, encode, generate_tokens, load_build,
+        load_inference_model,
         stream_text,
     )
 
+    if not SEED_RANGE[0] <= args.seed < SEED_RANGE[1]:
+        raise UsageError(f"--seed must be an integer in [-2^63, 2^64), got {args.seed}")
     try:
         module = load_build(args.build)
         prompt = encode(args.prompt)
         check_request(build_spec(module), prompt, args.max_new_tokens, args.temperature, args.top_p)
+        check_weights(module, args.checkpoint)
         if args.checkpoint is None:
             print(f"note: no --checkpoint: using the seeded initial weights of {args.build}", file=sys.stderr)
         model = load_inference_model(module, args.checkpoint)
@@ -289,7 +310,8 @@ def _cmd_train(args) -> None:
 
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
-              eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from)
+              eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from,
+              extends_anywhere=args.extends_anywhere)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
 
@@ -319,11 +341,79 @@ def _cmd_export_hf(args) -> None:
     except ValueError as e:
         raise UsageError(" ".join(str(e).split())) from None
     print(f"wrote {args.out}: {', '.join(p.name for p in files)}")
+# ---------------------------------------------------------------- export (issue 12)
+
+
+def _add_export_parser(sub) -> None:
+    from k3compile.emit.onnx import DEFAULT_OPSET, GRAPHS, WEIGHTS
+
+    p = sub.add_parser(
+        "export",
+        help="export a build's compiled graphs to ONNX (k3 ops as ONNX functions)",
+        description="Export a build's compiled graphs to OUT_DIR/<graph>.onnx through torch's ONNX exporter: every "
+        "k3 op becomes a local function in domain k3 whose body is standard ONNX, MXFP4 experts FLOAT4E2M1 + E8M0 "
+        "through DequantizeLinear (--mx fp4) or packed bytes decoded by standard ops (--mx uint8, which "
+        "onnxruntime runs on CPU). Inputs and outputs are named, batch and sequence axes dynamic, and the build's "
+        "spec hash, compiler, graph and target are in metadata_props.",
+    )
+    p.add_argument("build", help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
+    p.add_argument("-o", "--out", required=True, metavar="OUT_DIR", help="folder for <graph>.onnx (created if missing)")
+    p.add_argument("--graph", default="infer", metavar="GRAPH",
+                   help=f"{' | '.join(GRAPHS)} | all (every graph the build has); default infer")
+    p.add_argument("--weights", default=None, metavar="MODE",
+                   help=f"{' | '.join(WEIGHTS)}: initializers in the file (external data past 2 GB), in "
+                   "<graph>.onnx.data, or none (structure only: weights become typed inputs); default inline, "
+                   "none for a meta-device (shapes only) build")
+    p.add_argument("--mx", default="fp4", metavar="FP4|UINT8",
+                   help="fp4 (FLOAT4E2M1 + E8M0 scales through DequantizeLinear, opset >= 24; default) or uint8")
+    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, metavar="N", help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument("--check", action="store_true",
+                   help="run onnx.checker (full), strict shape inference and a numerical comparison with PyTorch "
+                   "on random tokens; print the k3 functions used and the largest relative error")
+
+
+def _export_and_report(build, out, **options) -> None:
+    """Export, print one line per graph (and the check's findings); bad input is a UsageError, a failed check exits 1."""
+    import onnx
+
+    from k3compile.emit.onnx.export import ExportError, export_onnx
+
+    try:
+        results = export_onnx(build, out, **options)
+    except ExportError as e:
+        raise UsageError(str(e)) from None
+    except (onnx.checker.ValidationError, onnx.shape_inference.InferenceError) as e:
+        print(f"error: the exported ONNX failed its check: {str(e).splitlines()[0]}", file=sys.stderr)
+        raise SystemExit(1) from None
+    for r in results:
+        print(f"wrote {r.path} ({r.bytes / 1e6:.1f} MB in {r.seconds:.1f} s): {sum(r.functions.values())} k3 calls "
+              f"of {len(r.functions)} functions")
+        for note in r.notes:
+            print(f"  note: {note}")
+        if r.check is None:
+            continue
+        c = r.check
+        print(f"  checker: {c['checker']}; shape inference: {c['shape_inference']}")
+        width = max(map(len, c["functions"]))
+        for name, count in c["functions"].items():
+            print(f"  k3.{name:<{width}}  {count:>5}")
+        if c["nested_functions"]:
+            print(f"  called inside those: {', '.join('k3.' + n for n in c['nested_functions'])}")
+        if "engine" in c:
+            print(f"  {c['engine']} vs PyTorch on random tokens {c['inputs']}: largest relative error "
+                  f"{c['max_relative_error']:.3g} (max-abs), {c['rms_relative_error']:.3g} (rms)")
+        else:
+            print(f"  numerics: {c['numerics']}")
+
+
+def _cmd_export(args) -> None:
+    _export_and_report(args.build, args.out, graph=args.graph, weights=args.weights, mx=args.mx.lower(),
+                       opset=args.opset, check=args.check)
 
 
 COMMANDS = {
     "stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
-    "train": _cmd_train, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf,
+    "train": _cmd_train, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf, "export": _cmd_export,
 }
 
 
@@ -342,9 +432,11 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_BAD_INPUT
     except BrokenPipeError:
         return 0
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # train's Interrupted carries the signal: 130 for Ctrl-C, 143 for SIGTERM
+        signum = getattr(e, "signum", signal.SIGINT)
+        stopped = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        print(stopped, file=sys.stderr)
+        return 128 + signum
     return 0
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from k3compile.analysis.stats import spec_stats
@@ -62,7 +63,7 @@ def _layout_text(spec: Spec) -> str:
 def print_check(spec: Spec, path: str) -> None:
     st = spec_stats(spec)
     con = _console()
-    t = Table(title=f"{path}: valid spec '{spec.name}'", title_justify="left", show_header=False)
+    t = Table(title=f"{escape(str(path))}: valid spec '{spec.name}'", title_justify="left", show_header=False)
     t.add_column("field", style="bold")
     t.add_column("value")
     t.add_row("model", f"d={spec.hidden_size}, {spec.num_layers} layers, vocab {spec.vocab_size:,}, "
@@ -131,7 +132,7 @@ def spec_diff(a: Spec, b: Spec, context: int | None = None) -> dict:
 
 def print_diff(diff: dict, name_a: str, name_b: str) -> None:
     con = _console()
-    con.print(f"A = {name_a}\nB = {name_b}")
+    con.print(f"A = {escape(str(name_a))}\nB = {escape(str(name_b))}")
     t = Table(title="changed fields", title_justify="left")
     t.add_column("field")
     t.add_column("A")
@@ -162,7 +163,7 @@ def print_build(dest, manifest: dict) -> None:
     con = _console()
     st = manifest["stats"]["params"]
     con.print(
-        f"[bold]built[/bold] {dest}  ({manifest['spec']['name']}, target {manifest['target']}, "
+        f"[bold]built[/bold] {escape(str(dest))}  ({manifest['spec']['name']}, target {manifest['target']}, "
         f"modes {'+'.join(manifest['modes'])}, {human(st['total'])} parameters, weights: {manifest['weights']})"
     )
     for mode, records in manifest["passes"].items():

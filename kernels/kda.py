@@ -42,10 +42,12 @@ def _shaped(t: Tensor, *shape: int) -> Tensor:
 
 
 def _initial_state(q_BTHK: Tensor, v_BTHV: Tensor, state_BHKV: Tensor | None, dtype: torch.dtype) -> Tensor:
+    """The state before the first token in `dtype`: zeros, or a copy of the given one (never the input itself:
+    over zero tokens it is the final state, and an op may not return its input)."""
     B, _, H, K = q_BTHK.shape
     if state_BHKV is None:
         return q_BTHK.new_zeros(B, H, K, v_BTHV.shape[-1], dtype=dtype)
-    return state_BHKV.to(dtype)
+    return state_BHKV.to(dtype, copy=True)
 
 
 def kda_naive(
@@ -77,7 +79,7 @@ def kda_naive(
         transition = eye - bt * kt[..., :, None] * kt[..., None, :]
         S = transition @ (torch.exp(g[:, t])[..., None] * S) + bt * kt[..., :, None] * v[:, t, :, None, :]
         outs.append(scale * (S.transpose(-1, -2) @ q[:, t, ..., None])[..., 0])
-    return torch.stack(outs, dim=1), S
+    return (torch.stack(outs, dim=1) if outs else v.new_zeros(v.shape)), S
 
 
 def kda_step_ref(
@@ -393,6 +395,9 @@ def kda_chunk_fwd(
     V = v_BTHV.shape[-1]
     C = chunk_size
     scale = K**-0.5 if scale is None else scale
+    if T == 0:  # no chunk to run: no output, and the state passes through unchanged (as the recurrence)
+        saved = ChunkSaved(*(q_BTHK.new_empty(shape, dtype=dtype) for shape in chunk_saved_shapes(B, T, H, K, V, C)))
+        return v_BTHV.new_empty(B, 0, H, V), _initial_state(q_BTHK, v_BTHV, initial_state_BHKV, dtype), saved
     q, k, v = (_to_chunks(x, C, dtype) for x in (q_BTHK, k_BTHK, v_BTHV))
     beta = _to_chunks(beta_BTH[..., None], C, dtype)
     N = q.shape[0]
@@ -451,6 +456,11 @@ def kda_chunk_bwd(
     s = saved
     N, B, H, C, K = s.q.shape
     V = s.v.shape[-1]
+    if N == 0:  # zero tokens: the final state was the initial one, so its gradient passes straight through
+        inputs = (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)
+        empty = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
+        dstate = None if initial_state_BHKV is None else dstate_BHKV.to(initial_state_BHKV.dtype, copy=True)
+        return (*empty, dstate)
     scale = K**-0.5 if scale is None else scale
     decay_in, decay_out = s.decay[0], s.decay[1]
     dO = _to_chunks(do_BTHV, C, s.q.dtype).mul_(scale)

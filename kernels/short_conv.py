@@ -36,7 +36,8 @@ def short_conv_ref(
     else:
         history = _as(initial_state_BCW, dtype)
     xp_BCT = torch.cat([history, x_BCT], dim=-1)  # [B, C, W-1+T]
-    y_BCT = F.conv1d(xp_BCT, _as(weight_CW, dtype)[:, None, :], groups=C)
+    # conv1d refuses an input shorter than its kernel, which zero tokens give: no token, no output
+    y_BCT = F.conv1d(xp_BCT, _as(weight_CW, dtype)[:, None, :], groups=C) if T else xp_BCT[..., :0]
     state = _as(xp_BCT[..., xp_BCT.shape[-1] - (W - 1) :], x_BTC.dtype).contiguous()
     return _as(F.silu(y_BCT).transpose(1, 2), x_BTC.dtype), state
 

@@ -152,3 +152,21 @@ def test_mode_infer_and_dump_after_one_pass(infer_interleave):
     manifest = json.loads((dest / "manifest.json").read_text())
     assert manifest["modes"] == ["infer"] and manifest["graphs"] == ["prefill", "decode"]
     assert set(manifest["passes"]) == set(manifest["bindings"]) == {"prefill", "decode"}
+
+
+@pytest.mark.parametrize("disabled", [["interleave"], ["attn_res"], PASSES])
+def test_a_build_that_could_not_run_is_refused(cli, tmp_path, write_spec, hand_text, disabled):
+    """Without interleave (or attn_res) the graph keeps the submodule calls only that pass inlines: no package."""
+    spec = write_spec(hand_text)
+    flags = [a for name in disabled for a in ("--disable-pass", name)]
+    rc, out, err = cli("build", spec, "-o", tmp_path / "out", "--mode", "train", *flags)
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    needed = "interleave" if "interleave" in disabled else "attn_res"
+    assert err.startswith("error: ") and f"needs the {needed} pass" in err and "could not run" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_output_path_that_looks_like_markup_is_printed_as_it_is(cli, tmp_path, write_spec, hand_text):
+    out = tmp_path / "out[" / "x]"
+    rc, stdout, err = cli("build", write_spec(hand_text), "-o", out, "--mode", "train")
+    assert (rc, err) == (0, "") and f"built {out / 'hand'}" in stdout

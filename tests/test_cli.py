@@ -146,3 +146,15 @@ def test_check_and_help_subprocess(k3compile_cmd, specs_dir):
     assert proc.returncode == 0 and "valid spec 'k3-tiny'" in proc.stdout
     proc = k3compile_cmd("diff", "--help")
     assert proc.returncode == 0 and proc.stdout.startswith("usage: k3compile diff")
+
+
+def test_paths_that_look_like_markup_are_printed_as_they_are(cli, tmp_path, specs_dir):
+    """`[/x]` in a path is text, not a rich closing tag (which raised MarkupError)."""
+    folder = tmp_path / "runs[" / "x]"
+    folder.mkdir(parents=True)
+    spec = folder / "k3-tiny.yaml"
+    spec.write_text((specs_dir / "k3-tiny.yaml").read_text())
+    rc, out, err = cli("check", spec)
+    assert (rc, err) == (0, "") and f"{spec}:validspec'k3-tiny'" in "".join(out.split())  # the title may wrap
+    rc, out, err = cli("diff", spec, specs_dir / "k3-tiny.yaml")
+    assert (rc, err) == (0, "") and f"A = {spec}" in out

@@ -1,7 +1,9 @@
 """Training checkpoints: one safetensors file of tensors plus a JSON file that commits it.
 
 `DIR/step-000300.safetensors` holds every tensor (weights, all buffers, optimizer state, RNG states);
-`DIR/step-000300.json` holds the scalars (step, spec hash, data position, ...) and the file's size and CRC-32.
+`DIR/step-000300.json` holds the scalars (step, spec hash, data position, ...), the tensor file's size and
+CRC-32, and a SHA-256 over all of that JSON: an edited field fails the checksum, and the fields are then
+type-checked (a schema), so a checkpoint is safetensors plus validated metadata.
 Both are written to a temporary file, fsynced and renamed into place, the JSON last: a checkpoint exists only
 once its JSON does, and the previous one is deleted only after that. A truncated or corrupted file, or one
 from another model, fails with a one-line error.
@@ -10,6 +12,7 @@ from another model, fails with a one-line error.
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import re
@@ -19,14 +22,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-FORMAT = "k3compile-checkpoint/1"
+from k3compile.runtime.muon import PerHeadMuon
+
+FORMAT = "k3compile-checkpoint/2"
+OLD_FORMATS = ("k3compile-checkpoint/1",)  # without a metadata checksum: not read
 _NAME = re.compile(r"^step-(\d+)\.json$")
 _MODEL, _OPTIM = "model/", "optim/"
+_CHECKSUM = "meta_sha256"
 
 
 class CheckpointError(ValueError):
@@ -41,6 +49,28 @@ class Checkpoint:
     step: int
     tensors: dict[str, Tensor]
     meta: dict
+
+
+class _Record(BaseModel):
+    """The fields of every checkpoint's JSON, strictly typed; the caller's own fields (spec, ...) ride along."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    step: int = Field(ge=0)
+    tensors: str
+    bytes: int = Field(ge=0)
+    crc32: int = Field(ge=0, lt=1 << 32)
+
+
+def metadata_checksum(record: Mapping) -> str:
+    """SHA-256 of the record's canonical JSON, its own checksum field left out."""
+    body = {k: v for k, v in record.items() if k != _CHECKSUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def sealed(record: Mapping) -> dict:
+    """`record` with its checksum field set: what `save` writes."""
+    return {**record, _CHECKSUM: metadata_checksum(record)}
 
 
 def paths(directory: Path, step: int) -> tuple[Path, Path]:
@@ -114,14 +144,14 @@ def save(directory: Path, step: int, tensors: Mapping[str, Tensor], meta: Mappin
     try:
         directory.mkdir(parents=True, exist_ok=True)
         payload = st_save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"format": FORMAT})
-        record = {
+        record = sealed({
             "format": FORMAT,
             **meta,
             "step": step,
             "tensors": tensor_path.name,
             "bytes": len(payload),
             "crc32": zlib.crc32(payload),
-        }
+        })
         text = json.dumps(record, indent=1, sort_keys=True).encode()
         _write_atomic(tensor_path, payload)
         _write_atomic(json_path, text)
@@ -155,28 +185,62 @@ def load(json_path: Path) -> Checkpoint:
         meta = json.loads(json_path.read_bytes())
     except FileNotFoundError:
         raise CheckpointError(f"{where} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{where} is corrupted (unreadable metadata: {e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CheckpointError(f"{where} is not a {FORMAT} file")
-    tensor_path = json_path.with_name(str(meta.get("tensors", "")))
+    except (OSError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"{where} is corrupted (unreadable metadata: {_one_line(e)})") from None
+    record = _verified_record(meta, json_path, where)
+    tensor_path = json_path.with_name(record.tensors)
     try:
         payload = tensor_path.read_bytes()
     except OSError as e:
         raise CheckpointError(f"{where}: cannot read {tensor_path.name}: {e.strerror}") from None
-    if len(payload) != meta.get("bytes"):
-        have = f"{tensor_path.name} has {len(payload)} of {meta.get('bytes')} bytes"
+    if len(payload) != record.bytes:
+        have = f"{tensor_path.name} has {len(payload)} of {record.bytes} bytes"
         raise CheckpointError(f"{where} is truncated ({have})")
-    if zlib.crc32(payload) != meta.get("crc32"):
+    if zlib.crc32(payload) != record.crc32:
         raise CheckpointError(f"{where} is corrupted ({tensor_path.name} fails its CRC-32 check)")
     try:
         tensors = st_load(payload)
     except SafetensorError as e:
         raise CheckpointError(f"{where} is corrupted ({e})") from None
-    return Checkpoint(json_path, int(meta["step"]), tensors, meta)
+    return Checkpoint(json_path, record.step, tensors, meta)
+
+
+def _verified_record(meta, json_path: Path, where: str) -> _Record:
+    """The checkpoint JSON's own fields once its format, checksum, types and file names all check out."""
+    fmt = meta.get("format") if isinstance(meta, dict) else None
+    if fmt in OLD_FORMATS:
+        raise CheckpointError(f"{where} is a {fmt} file (no metadata checksum); this k3compile reads {FORMAT} only")
+    if fmt != FORMAT:
+        raise CheckpointError(f"{where} is not a {FORMAT} file")
+    if meta.get(_CHECKSUM) != metadata_checksum(meta):
+        raise CheckpointError(f"{where}: its metadata fails its checksum (edited or corrupted)")
+    try:
+        record = _Record.model_validate(meta)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = ".".join(map(str, err["loc"]))
+        raise CheckpointError(f"{where} has bad metadata: {field}: {err['msg']}") from None
+    name = Path(record.tensors)
+    if name.name != record.tensors or record.tensors.startswith(".") or name.suffix != ".safetensors":
+        raise CheckpointError(f"{where} has bad metadata: tensors: must name a file beside it (got {record.tensors!r})")
+    m = _NAME.match(json_path.name)
+    if m and int(m.group(1)) != record.step:
+        raise CheckpointError(f"{where} records step {record.step} but is the file of step {int(m.group(1))}")
+    return record
+
+
+def check_finite(ckpt: Checkpoint) -> None:
+    """Refuse a checkpoint holding NaN or infinite values (weights, optimizer state): resuming would only diverge."""
+    bad = next((k for k, t in ckpt.tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()), None)
+    if bad is not None:
+        raise CheckpointError(f"{ckpt.path} holds non-finite values in {bad}")
 
 
 # ---------------------------------------------------------------- model and optimizer state
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200] or type(e).__name__
 
 
 def _list(names: list[str], limit: int = 6) -> str:
@@ -217,33 +281,53 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: Iterable[tuple[st
     return out
 
 
-@torch.no_grad()
-def restore_model(model: nn.Module, ckpt: Checkpoint) -> None:
-    """Copy the checkpoint's weights and buffers into `model`; first fail naming every tensor that differs."""
-    live = model_tensors(model)
+def check_model(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Fail, naming every tensor that differs, unless the checkpoint has exactly the model's tensors and shapes."""
+    live = {k: tuple(v.shape) for k, v in model_tensors(model).items()}
     found = {k: tuple(v.shape) for k, v in ckpt.tensors.items() if k.startswith(_MODEL)}
-    problem = mismatches({k: tuple(v.shape) for k, v in live.items()}, found)
+    problem = mismatches(live, found)
     if problem:
         spec = ckpt.meta.get("spec_name", "?")
         raise CheckpointError(f"{ckpt.path} (spec {spec!r}) does not match this model: {problem.replace(_MODEL, '')}")
-    for key, t in live.items():
+
+
+@torch.no_grad()
+def restore_model(model: nn.Module, ckpt: Checkpoint) -> None:
+    """Copy the checkpoint's weights and buffers into `model` (after `check_model`)."""
+    check_model(model, ckpt)
+    for key, t in model_tensors(model).items():
         t.copy_(ckpt.tensors[key])
 
 
-def restore_optimizer(optimizer: torch.optim.Optimizer, names: list[tuple[str, Tensor]], ckpt: Checkpoint) -> None:
-    """Replace the optimizer's per-parameter state by the checkpoint's ('optim/<param name>/<key>' tensors)."""
+def restore_optimizer(optimizer: PerHeadMuon, names: list[tuple[str, Tensor]], ckpt: Checkpoint) -> None:
+    """Replace the optimizer's per-parameter state by the checkpoint's ('optim/<param name>/<slot>' tensors).
+
+    Every slot is checked first against what the optimizer keeps (PerHeadMuon.state_layout: names, shapes,
+    all slots of a parameter or none), so a bad state fails here in one line rather than at the first step.
+    """
     params = dict(names)
     state: dict[Tensor, dict[str, Tensor]] = {}
-    unknown = []
+    unknown, bad = [], []
     for key, value in ckpt.tensors.items():
-        if key.startswith(_OPTIM):
-            name, slot = key[len(_OPTIM) :].rsplit("/", 1)
-            if name not in params:
-                unknown.append(name)
-                continue
-            state.setdefault(params[name], {})[slot] = value.clone().to(params[name].device)
+        if not key.startswith(_OPTIM):
+            continue
+        name, _, slot = key[len(_OPTIM) :].rpartition("/")
+        if name not in params:
+            unknown.append(name)
+            continue
+        want = optimizer.state_layout(params[name]).get(slot)
+        if want is None or tuple(value.shape) != want or not value.is_floating_point():
+            expected = "no such state" if want is None else f"expected a float tensor of shape {list(want)}"
+            bad.append(f"{name}/{slot} {list(value.shape)} ({expected})")
+            continue
+        state.setdefault(params[name], {})[slot] = value.clone().to(params[name].device)
     if unknown:
         names = _list(sorted(set(unknown)))
         raise CheckpointError(f"{ckpt.path} holds optimizer state for unknown parameters: {names}")
+    names_of = {id(p): n for n, p in params.items()}
+    bad += [f"{names_of[id(p)]} (only {', '.join(sorted(s))})" for p, s in state.items()
+            if set(s) != set(optimizer.state_layout(p))]  # fmt: skip
+    if bad:
+        raise CheckpointError(f"{ckpt.path} holds optimizer state this optimizer cannot use: {_list(bad, 3)}")
     optimizer.state.clear()
     optimizer.state.update(state)

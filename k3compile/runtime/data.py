@@ -2,7 +2,8 @@
 
 The default corpus is the Python standard library's own `.py` sources (present on every machine), read in
 sorted path order up to a cap. Any file or folder of text files may be used instead. Tokens are bytes
-(vocabulary 256); the training batches are random windows drawn from a torch.Generator whose state is part
+(vocabulary 256), read once into one buffer that the uint8 token tensors share (the corpus is held
+once, not copied or widened); the training batches are random windows drawn from a torch.Generator whose state is part
 of a checkpoint, so a resumed run draws exactly the batches an uninterrupted one would.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import codecs
 import math
 import os
+import stat
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +22,7 @@ from torch import Tensor
 
 VOCAB = 256  # byte-level tokens
 DEFAULT_CORPUS_BYTES = 8 << 20  # the stdlib corpus is cut here (about 8 MB)
-MAX_DATA_BYTES = 1 << 30  # user data beyond this is cut (held in memory as one uint8 tensor)
+MAX_DATA_BYTES = 1 << 30  # user data beyond this is cut (held in memory once, as one uint8 buffer)
 VAL_FRACTION = 0.05  # the last 5% of the bytes are held out
 SNIFF_BYTES = 8192  # a file is text when its first bytes hold no NUL and decode as UTF-8
 _NOT_STDLIB = {"site-packages", "dist-packages", "__pycache__"}
@@ -34,7 +36,7 @@ class DataError(ValueError):
 class Corpus:
     """The bytes to train on and where they came from (`source` is shown to the user and checkpointed)."""
 
-    data: bytes
+    data: bytearray  # writable, so that torch.frombuffer shares it instead of copying
     source: str
     files: int
 
@@ -75,22 +77,36 @@ def _text_files(folder: Path) -> list[Path]:
     return [p for p in files if p.is_file() and is_text_file(p)]
 
 
-def _read_capped(files: list[Path], cap: int) -> tuple[bytes, int]:
-    """Concatenate the files in order until `cap` bytes (the last one cut); returns (bytes, files used)."""
-    parts, size, used = [], 0, 0
+def _read_capped(files: list[Path], cap: int) -> tuple[bytearray, int]:
+    """Concatenate the files in order until `cap` bytes (the last one cut); returns (bytes, files used).
+
+    The bytes go straight into one buffer sized from the files' sizes: no chunks joined, no second copy.
+    """
+    sizes = []
     for path in files:
-        if size >= cap:
+        try:
+            st = path.stat()
+        except OSError as e:
+            raise DataError(f"cannot read {path}: {e.strerror}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise DataError(f"{path} is not a regular file (a device, pipe or socket); give a text file or folder")
+        sizes.append(st.st_size)
+    buffer = bytearray(min(cap, sum(sizes)))
+    view, size, used = memoryview(buffer), 0, 0
+    for path, want in zip(files, sizes):
+        if size >= len(buffer):
             break
         try:
             with open(path, "rb") as f:
-                chunk = f.read(cap - size)
+                got = f.readinto(view[size : min(size + want, len(buffer))])
         except OSError as e:
             raise DataError(f"cannot read {path}: {e.strerror}") from None
-        if chunk:
-            parts.append(chunk)
-            size += len(chunk)
+        if got:
+            size += got
             used += 1
-    return b"".join(parts), used
+    view.release()
+    del buffer[size:]  # a file that shrank since its size was read
+    return buffer, used
 
 
 def load_corpus(path: str | Path | None = None, max_bytes: int | None = None) -> Corpus:
@@ -115,8 +131,11 @@ def load_corpus(path: str | Path | None = None, max_bytes: int | None = None) ->
     return Corpus(data, source, used)
 
 
-def split(data: bytes, seq_len: int, val_fraction: float = VAL_FRACTION) -> tuple[Tensor, Tensor]:
-    """(train, validation) uint8 tensors: the last `val_fraction` of the bytes, at least one window, is held out."""
+def split(data: bytes | bytearray, seq_len: int, val_fraction: float = VAL_FRACTION) -> tuple[Tensor, Tensor]:
+    """(train, validation) uint8 tensors: the last `val_fraction` of the bytes, at least one window, is held out.
+
+    A bytearray (what load_corpus reads) is shared, not copied: the tensors are views of it.
+    """
     need = 2 * (seq_len + 1)
     if len(data) < need:
         raise DataError(
@@ -124,13 +143,13 @@ def split(data: bytes, seq_len: int, val_fraction: float = VAL_FRACTION) -> tupl
             f"(one window for training and one for validation)"
         )
     n_val = max(math.ceil(len(data) * val_fraction), seq_len + 1)
-    tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    tokens = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
     return tokens[: len(data) - n_val], tokens[len(data) - n_val :]
 
 
 def unigram_entropy(tokens: Tensor) -> float:
     """Entropy of the byte distribution in nats: the loss of the best model that ignores context."""
-    counts = torch.bincount(tokens.flatten().long(), minlength=VOCAB).double()
+    counts = torch.bincount(tokens.flatten(), minlength=VOCAB).double()  # uint8 counted as is: never widened
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())
 

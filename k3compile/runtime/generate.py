@@ -36,14 +36,12 @@ def load_build(build: str | Path | ModuleType) -> ModuleType:
     """The emitted package at `build` (already imported modules pass through)."""
     if isinstance(build, ModuleType):
         return build
-    from k3compile.loader import load
+    from k3compile.loader import BuildLoadError, load
 
     try:
         return load(build)
-    except FileNotFoundError as e:
+    except BuildLoadError as e:
         raise GenerateError(str(e)) from None
-    except (ImportError, SyntaxError) as e:
-        raise GenerateError(f"{build}: cannot import the build ({type(e).__name__}: {e}); rebuild it") from None
 
 
 def build_spec(module: ModuleType) -> Spec:
@@ -158,6 +156,7 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
     from k3compile.runtime.shards import weights_class
 
     module = load_build(build)
+    check_weights(module, checkpoint)
     if not hasattr(module, "InferenceModel"):
         raise GenerateError(f"{build}: a train-only build has no InferenceModel; build with --mode infer or both")
     if checkpoint is None:
@@ -177,8 +176,28 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
 
 
 def encode(text: str) -> list[int]:
-    """Byte-level tokens: the UTF-8 bytes of `text`."""
-    return list(text.encode("utf-8"))
+    """Byte-level tokens: the UTF-8 bytes of `text`.
+
+    Bytes that are not UTF-8 reach Python from argv as surrogate escapes (U+DC80..U+DCFF); they are given back
+    as the bytes they stand for. Any other lone surrogate is not text and is refused.
+    """
+    try:
+        return list(text.encode("utf-8", "surrogateescape"))
+    except UnicodeEncodeError as e:
+        where = f"a lone surrogate {text[e.start]!r} at {e.start}"
+        raise GenerateError(f"the prompt is not text: it holds {where}") from None
+
+
+def check_weights(module: ModuleType, checkpoint: str | Path | None) -> None:
+    """Refuse to generate from a shapes-only build (lowered on the meta device) without a checkpoint's weights."""
+    from k3compile.loader import shapes_only
+
+    if checkpoint is None and shapes_only(module):
+        raise GenerateError(
+            "the build has no weights (a shapes-only build: its spec was too large to initialise, so it was "
+            "lowered on the meta device); pass --checkpoint with trained weights, or generate from a build of a "
+            "smaller spec (k3compile build specs/k3-tiny.yaml -o build)"
+        )
 
 
 def check_request(spec: Spec, prompt: list[int], max_new_tokens: int, temperature: float, top_p: float) -> None:

@@ -256,6 +256,13 @@ class PerHeadMuon(torch.optim.Optimizer):
             self.qk_clip_(max_logits)
         return loss
 
+    def state_layout(self, p: Tensor) -> dict[str, tuple[int, ...]]:
+        """Slot -> shape of the state kept for parameter `p` once it has stepped (what a checkpoint may restore)."""
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        if group["use_muon"]:
+            return {"momentum_buffer": tuple(p.shape)}
+        return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
+
     def _muon_step(self, group: dict) -> None:
         lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
         for p in group["params"]:

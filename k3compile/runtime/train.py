@@ -9,8 +9,10 @@ with every validation and when the run stops; `resume=True` continues exactly wh
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
 import shutil
 import signal
 import tempfile
@@ -18,12 +20,12 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor, nn
 
 from k3compile.kernels.launch import interpreting
@@ -66,9 +68,11 @@ def _spec_from_build(package: ModuleType, overrides: Sequence[str]) -> Spec:
     return spec
 
 
-def resolve(spec_or_build: str | Path, overrides: Sequence[str] = ()) -> tuple[Spec, ModuleType | None]:
+def resolve(
+    spec_or_build: str | Path, overrides: Sequence[str] = (), extends_anywhere: bool = False
+) -> tuple[Spec, ModuleType | None]:
     """(spec, package): a spec file gives (spec, None); a build folder gives its spec and the loaded package."""
-    from k3compile.loader import load
+    from k3compile.loader import BuildLoadError, load, shapes_only
     from k3compile.spec.load import load_spec
 
     path = Path(spec_or_build)
@@ -77,10 +81,15 @@ def resolve(spec_or_build: str | Path, overrides: Sequence[str] = ()) -> tuple[S
     if path.is_dir():
         try:
             package = load(path)
-        except FileNotFoundError as e:
+        except BuildLoadError as e:
             raise TrainError(str(e)) from None
         if not hasattr(package, "Model"):
             raise TrainError(f"{path} has no training Model (built with --mode infer); rebuild with --mode train")
+        if shapes_only(package):
+            raise TrainError(
+                f"{path} has no weights (a shapes-only build: its spec was lowered on the meta device); "
+                "train from the spec file, or build a spec small enough to initialise"
+            )
         target = getattr(package, "TARGET", "cpu")
         if target != "cpu" and not torch.cuda.is_available() and not interpreting():
             raise TrainError(
@@ -88,18 +97,48 @@ def resolve(spec_or_build: str | Path, overrides: Sequence[str] = ()) -> tuple[S
                 "--target cpu, or set TRITON_INTERPRET=1 to run the kernels through Triton's interpreter (slow)"
             )
         return _spec_from_build(package, overrides), package
-    return load_spec(path, list(overrides)), None
+    return load_spec(path, list(overrides), extends_anywhere), None
 
 
 def _same_architecture(a: Spec, b: Spec) -> bool:
     return a.model_dump(exclude={"training"}) == b.model_dump(exclude={"training"})
 
 
-def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
-    """Build `spec` (train and infer graphs) into `build_dir`, reusing a build there of the same architecture,
-    modes and compiler."""
+def _why_not_reusable(dest: Path, spec: Spec, target: str) -> str | None:
+    """None when the build at `dest` is what training `spec` would build now, else why not (one phrase).
+
+    Reused only when all match: the architecture (training.* aside: it is not compiled in), a training
+    Model, every pass run, this compiler version and the target.
+    """
     from k3compile import __version__
-    from k3compile.build import MODES, BuildOptions, build, package_name
+    from k3compile.build import pipeline
+
+    try:
+        manifest = json.loads((dest / "manifest.json").read_text(encoding="utf-8"))
+        built = Spec.model_validate(manifest["spec"]["fields"])
+        compiler, modes, passes = manifest["compiler"], manifest["modes"], manifest["passes"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return "its manifest is unreadable"
+    if compiler != f"k3compile {__version__}":
+        return f"it was built by {compiler}"
+    if manifest.get("target") != target:
+        return f"it was built for {manifest.get('target')}, not {target}"
+    if "train" not in modes:
+        return "it has no training Model (built with --mode infer)"
+    if "infer" not in modes:
+        return "it has no InferenceModel to generate from (built with --mode train)"
+    skipped = [r.get("name") for r in passes.get("train", []) if r.get("status") != "ran"]
+    if skipped or [r.get("name") for r in passes.get("train", [])] != [p.name for p in pipeline()]:
+        return f"it was built with passes disabled ({', '.join(map(str, skipped)) or 'another pass list'})"
+    if not _same_architecture(built, spec):
+        return "its spec differs"
+    return None
+
+
+def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
+    """Build `spec` (train and infer graphs) into `build_dir`, reusing a build there that matches it
+    (`_why_not_reusable`)."""
+    from k3compile.build import BuildOptions, build, package_name
     from k3compile.emit.package import is_build_dir
     from k3compile.loader import load
 
@@ -107,16 +146,11 @@ def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
     # Without a GPU, bind the PyTorch references whatever the spec's target (its Triton kernels need CUDA).
     target = spec.target if torch.cuda.is_available() else "cpu"
     if is_build_dir(dest):
-        try:
-            manifest = json.loads((dest / "manifest.json").read_text())
-            built = Spec.model_validate(manifest["spec"]["fields"])
-            same = manifest["compiler"] == f"k3compile {__version__}" and manifest["target"] == target
-            same = same and manifest["modes"] == list(MODES)
-            if same and _same_architecture(built, spec):
-                say(f"reusing the build in {dest}")
-                return load(dest)
-        except (OSError, ValueError, KeyError):
-            pass
+        why = _why_not_reusable(dest, spec, target)
+        if why is None:
+            say(f"reusing the build in {dest}")
+            return load(dest)
+        say(f"rebuilding {dest}: {why}")
     say(f"building {spec.name} (train and infer graphs) into {build_dir}")
     try:
         dest, _ = build(spec, build_dir, BuildOptions(mode="both", target=target))
@@ -125,10 +159,21 @@ def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
     return load(dest)
 
 
+def _enclosing_build(path: Path) -> Path | None:
+    """The build folder `path` is (or lies inside), or None."""
+    from k3compile.emit.package import is_build_dir
+
+    path = path.absolute()
+    return next((p for p in (path, *path.parents) if is_build_dir(p)), None)
+
+
 def prepare_out(out: Path, resume: bool) -> Path | None:
     """Check that `out` can hold this run; create it. Returns the top folder created (to undo), or None."""
     if out.exists() and not out.is_dir():
         raise TrainError(f"output {out} exists and is not a folder")
+    inside = _enclosing_build(out)
+    if inside is not None:  # the next build there would delete the run's checkpoints (or refuse to replace it)
+        raise TrainError(f"output {out} is inside the build {inside}; choose an --out outside it")
     steps = ckpt.committed(out / "checkpoints")
     if steps and not resume:
         raise TrainError(
@@ -287,8 +332,60 @@ def save_checkpoint(run: Run, step: int) -> Path:
     return ckpt.save(run.checkpoints, step, tensors, meta)
 
 
+class _DataFingerprint(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    source: str
+    bytes: int
+    crc32: int
+
+
+class _TrainingMeta(BaseModel):
+    """What `save_checkpoint` adds to a checkpoint's JSON, strictly typed; checked before anything is restored."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    compiler: str
+    spec_name: str
+    spec_sha256: str
+    spec: dict
+    optimizer: dict[str, str]
+    data: _DataFingerprint
+
+
+def _training_meta(state: ckpt.Checkpoint) -> _TrainingMeta:
+    try:
+        return _TrainingMeta.model_validate(state.meta)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = ".".join(map(str, err["loc"]))
+        raise ckpt.CheckpointError(f"{state.path} has bad training metadata: {field}: {err['msg']}") from None
+
+
+def _check_rng_states(run: Run, state: ckpt.Checkpoint) -> None:
+    """Both random-generator states are there, shaped like this machine's (uint8, 5056 bytes for mt19937) and
+    valid: each is tried on a scratch generator, so nothing is restored from a checkpoint that would fail."""
+    for key, live in (("rng/torch", torch.get_rng_state()), ("rng/data", run.batches.state())):
+        found = state.tensors.get(key)
+        if found is None:
+            raise ckpt.CheckpointError(f"{state.path} is not a training checkpoint (no {key})")
+        if found.dtype != live.dtype or found.shape != live.shape:
+            raise ckpt.CheckpointError(
+                f"{state.path}: {key} is not a random-generator state ({found.dtype} {list(found.shape)}, "
+                f"expected {live.dtype} {list(live.shape)})"
+            )
+        try:
+            torch.Generator().set_state(found)
+        except RuntimeError as e:
+            raise ckpt.CheckpointError(f"{state.path}: {key} is not a valid random-generator state ({e})") from None
+
+
 def resume_from(run: Run, say) -> int:
-    """Load the newest checkpoint into the run; returns its step (0 when there is none)."""
+    """Load the newest checkpoint into the run; returns its step (0 when there is none).
+
+    Everything is checked before anything is restored: the record (checkpoint.load), the model's tensors,
+    the training metadata's types, the optimizer layout and state, the RNG states, finiteness.
+    """
     from k3compile.emit.codegen import spec_hash
 
     path = ckpt.latest(run.checkpoints)
@@ -296,22 +393,23 @@ def resume_from(run: Run, say) -> int:
         say(f"no checkpoint in {run.checkpoints}; starting from step 0")
         return 0
     state = ckpt.load(path)
-    ckpt.restore_model(run.model, state)
-    missing = [k for k in ("rng/torch", "rng/data") if k not in state.tensors]
-    if missing:
-        raise ckpt.CheckpointError(f"{path} is not a training checkpoint (no {', '.join(missing)})")
+    ckpt.check_model(run.model, state)
+    meta = _training_meta(state)
     layout = optimizer_layout(run.optimizer, run.named)
-    saved = state.meta.get("optimizer", {})
+    saved = meta.optimizer
     differ = [f"{n} ({saved.get(n, 'absent')} -> {k})" for n, k in layout.items() if saved.get(n) != k]
     if differ:
         shown = ", ".join(differ[:4]) + (f" (+{len(differ) - 4} more)" if len(differ) > 4 else "")
         raise TrainError(f"{path} was written with another optimizer layout: {shown}")
-    ckpt.restore_optimizer(run.optimizer, run.named, state)
+    _check_rng_states(run, state)
+    ckpt.check_finite(state)
+    ckpt.restore_optimizer(run.optimizer, run.named, state)  # checks every slot before it changes anything
+    ckpt.restore_model(run.model, state)
     run.batches.load_state(state.tensors["rng/data"])
     torch.set_rng_state(state.tensors["rng/torch"])
-    if state.meta.get("spec_sha256") != spec_hash(run.spec):
+    if meta.spec_sha256 != spec_hash(run.spec):
         say(f"note: {path.name} was written with different spec settings; continuing with the current ones")
-    if state.meta.get("data") != run.data_fingerprint():
+    if meta.data.model_dump() != run.data_fingerprint():
         say(f"note: the data differ from those {path.name} was trained on; the batches will differ too")
     say(f"resuming from {path} (step {state.step})")
     return state.step
@@ -320,25 +418,72 @@ def resume_from(run: Run, say) -> int:
 # ---------------------------------------------------------------- metrics file
 
 
-def read_metrics(path: Path, upto: int) -> list[dict]:
-    """The records of `path` with step <= upto (a resumed run drops what came after its checkpoint)."""
+@dataclass
+class MetricsSoFar:
+    """What `read_metrics` keeps of a metrics file: the records up to a step, where they end, what was skipped."""
+
+    records: list[dict]
+    size: int  # bytes up to the end of the last kept record: the file is cut there and appended to
+    skipped: list[int]  # 1-based numbers of the lines before that which are not records
+
+
+def _record(line: bytes) -> dict | None:
+    """A metrics record (a JSON object with an integer step >= 1), or None for anything else."""
+    try:
+        record = json.loads(line)
+    except (ValueError, RecursionError):  # not UTF-8, not JSON, or a line cut by a crash
+        return None
+    step = record.get("step") if isinstance(record, dict) else None
+    return record if type(step) is int and step >= 1 else None
+
+
+def read_metrics(path: Path, upto: int) -> MetricsSoFar:
+    """The records of `path` up to the first one after step `upto` (a resumed run redoes those steps).
+
+    Lines that are not records are skipped (and counted) where a kept record follows them; after the last
+    kept record everything is cut: later steps, and a line a crash left half-written.
+    """
     if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
+        return MetricsSoFar([], 0, [])
+    kept, skipped, pending, size, offset = [], [], [], 0, 0
+    for number, line in enumerate(path.read_bytes().splitlines(keepends=True), 1):
+        offset += len(line)
+        record = _record(line) if line.endswith(b"\n") else None
+        if record is None:
+            pending.append(number)
+        elif record["step"] > upto:
+            break
+        else:
+            kept.append(record)
+            skipped += pending
+            pending, size = [], offset
+    return MetricsSoFar(kept, size, skipped)
+
+
+class MetricsLog:
+    """metrics.jsonl, appended to one whole line per record: cut to `size` when opened (the records a resumed
+    run redoes), and cut back to its last whole line when a write fails (a full disk), never rewritten."""
+
+    def __init__(self, path: Path, size: int):
+        self.path, self.size = path, size
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.ftruncate(self.fd, size)
+
+    def append(self, record: dict) -> None:
+        line = (json.dumps(record) + "\n").encode()
+        left = memoryview(line)
         try:
-            record = json.loads(line)
-        except ValueError:
-            continue  # a line cut by a crash
-        if isinstance(record, dict) and record.get("step", upto + 1) <= upto:
-            out.append(record)
-    return out
+            while left:
+                left = left[os.write(self.fd, left) :]
+        except OSError as e:
+            os.ftruncate(self.fd, self.size)
+            why = e.strerror or os.strerror(e.errno or 0)
+            hint = "--resume continues from the last checkpoint"
+            raise TrainError(f"cannot append to {self.path}: {why}; {hint}") from None
+        self.size += len(line)
 
-
-def write_metrics(path: Path, records: list[dict]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
-    tmp.replace(path)
+    def close(self) -> None:
+        os.close(self.fd)
 
 
 # ---------------------------------------------------------------- console
@@ -357,7 +502,7 @@ class _Quiet:
         pass
 
 
-@contextmanager
+@contextlib.contextmanager
 def _display(enabled: bool, total: int, name: str) -> Iterator:
     if not enabled:
         yield _Quiet()
@@ -403,24 +548,44 @@ def _display(enabled: bool, total: int, name: str) -> Iterator:
         yield Bar()
 
 
-@contextmanager
-def _interrupt_flag() -> Iterator[threading.Event]:
-    """A first Ctrl-C sets the flag (the run stops after the current step, with a checkpoint); a second one kills."""
-    flag = threading.Event()
+class Interrupted(KeyboardInterrupt):
+    """The run stopped on a signal after a checkpoint; `signum` is SIGINT (Ctrl-C) or SIGTERM (docker stop, ...)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _StopFlag:
+    """Which stop signal arrived first (None: none yet)."""
+
+    def __init__(self):
+        self.signum: int | None = None
+
+
+@contextlib.contextmanager
+def _stop_flag() -> Iterator[_StopFlag]:
+    """A first Ctrl-C or SIGTERM sets the flag (the run stops after the current step, with a checkpoint);
+    a second one stops at once. Outside the main thread signals cannot be caught: the flag stays unset."""
+    flag = _StopFlag()
     if threading.current_thread() is not threading.main_thread():
         yield flag
         return
 
     def handler(signum, frame):
-        if flag.is_set():
-            raise KeyboardInterrupt
-        flag.set()
+        if flag.signum is not None:
+            raise Interrupted(signum)
+        flag.signum = signum
 
-    previous = signal.signal(signal.SIGINT, handler)
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
     try:
         yield flag
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
 
 
 # ---------------------------------------------------------------- entry point
@@ -442,6 +607,7 @@ def train(
     progress: bool = True,
     stop_after: int | None = None,
     init_from: str | Path | None = None,
+    extends_anywhere: bool = False,
 ) -> list[dict]:
     """Train the spec's (or build's) Model for `steps` optimizer steps in total; returns the metrics records.
 
@@ -452,15 +618,17 @@ def train(
     (with a checkpoint) so a later `resume=True` call continues the same schedule; `init_from`: start from
     these weights instead of the seeded init (a weights folder such as `k3compile import-hf` output, or a
     checkpoint; resuming still restores the run's own checkpoint); `progress`: show a bar
-    and messages on the console (False: silent). Records hold step, loss, lr, tokens_per_s, imbalance,
-    dropped, grad_norm and, when validated, val_loss (nats per byte).
+    and messages on the console (False: silent); `extends_anywhere`: let the spec's `extends:` leave its
+    root (k3compile.spec.load.spec_root). Records hold step, loss, lr, tokens_per_s, imbalance, dropped,
+    grad_norm and, when validated, val_loss (nats per byte). A first Ctrl-C or SIGTERM ends the run after
+    the current step with a checkpoint and raises `Interrupted` (a KeyboardInterrupt carrying the signal).
     """
     if steps < 1:
         raise TrainError(f"steps must be at least 1, got {steps}")
     for name, value in (("eval_every", eval_every), ("stop_after", stop_after)):
         if value is not None and value < 1:
             raise TrainError(f"{name} must be at least 1, got {value}")
-    spec, package = resolve(spec_or_build, overrides)
+    spec, package = resolve(spec_or_build, overrides, extends_anywhere)
     if spec.vocab_size < VOCAB:
         raise TrainError(
             f"spec {spec.name!r} has vocab_size {spec.vocab_size}; byte-level training needs at least {VOCAB}"
@@ -522,8 +690,11 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
     t = run.spec.training
     start = resume_from(run, say) if resume else 0
     metrics_path = run.out / "metrics.jsonl"
-    records = read_metrics(metrics_path, start)
-    write_metrics(metrics_path, records)
+    so_far = read_metrics(metrics_path, start)
+    records = so_far.records
+    if so_far.skipped:
+        say(f"note: {metrics_path}: skipped {len(so_far.skipped)} lines that are not metrics records "
+            f"(the first: line {so_far.skipped[0]})")
     params = sum(p.numel() for _, p in run.named)
     say(
         f"{run.spec.name}: {params / 1e6:.2f}M parameters, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
@@ -541,28 +712,31 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
         return records
     stop = steps if stop_after is None else min(steps, start + stop_after)
     last_saved = start
-    with _interrupt_flag() as interrupted, open(metrics_path, "a") as log:
+    log = MetricsLog(metrics_path, so_far.size)
+    with _stop_flag() as stopping, contextlib.closing(log):
         display.begin(start)
         for step in range(start, stop):
             record = train_step(run, step, steps)
             n = record["step"]
-            if n % eval_every == 0 or n == steps:
+            validate = n % eval_every == 0 or n == steps
+            if validate:
                 record["val_loss"] = evaluate(run)
                 say(
                     f"step {n}: loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} nats "
                     f"({record['val_loss'] * LOG2E:.3f} bits) per byte"
                 )
+            records.append(record)
+            log.append(record)  # before the checkpoint: a resume from it finds this step's record
+            if validate:
                 save_checkpoint(run, n)
                 last_saved = n
-            records.append(record)
-            log.write(json.dumps(record) + "\n")
-            log.flush()
             display.update(record)
-            if interrupted.is_set() and n < stop:
+            if stopping.signum is not None and n < stop:
                 if last_saved != n:
                     save_checkpoint(run, n)
-                say(f"interrupted at step {n}; checkpoint saved in {run.checkpoints}; continue with --resume")
-                raise KeyboardInterrupt
+                name = signal.Signals(stopping.signum).name
+                say(f"{name} at step {n}; checkpoint saved in {run.checkpoints}; continue with --resume")
+                raise Interrupted(stopping.signum)
     if last_saved != stop:
         save_checkpoint(run, stop)
     if stop < steps:

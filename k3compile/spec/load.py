@@ -6,7 +6,9 @@ Every failure becomes a `SpecError` whose lines read `file:line:col: field.path:
 from __future__ import annotations
 
 import difflib
+import os
 import re
+import stat
 import types
 import typing
 from dataclasses import dataclass
@@ -21,6 +23,7 @@ from k3compile.spec.schema import FieldError, Spec
 MAX_FILE_BYTES = 1 << 20  # a spec is a page of YAML, not a data set
 MAX_NODES = 50_000  # bounds alias expansion ("billion laughs") and absurd documents
 MAX_EXTENDS_DEPTH = 16
+MAX_ERROR_LINES = 20  # a screenful; the last line counts the rest
 
 Path_ = tuple[str | int, ...]
 
@@ -155,19 +158,35 @@ def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
 
 
 def _read(path: Path, loc: Loc | str, field: Path_) -> str:
+    """The text of a spec file: a regular file, read up to the cap (its st_size is not trusted).
+
+    Devices (/dev/zero), pipes and sockets are refused before any read: their size says 0 and they may
+    never end or, for a FIFO, never start (the open does not block: O_NONBLOCK).
+    """
     try:
-        if path.is_dir():
-            raise _err(loc, field, f"{path} is a directory, not a spec file")
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            raise _err(loc, field, f"{path} is {size} bytes; a spec may be at most {MAX_FILE_BYTES}")
-        return path.read_text(encoding="utf-8")
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
     except FileNotFoundError:
         raise _err(loc, field, f"no such file: {path}") from None
-    except UnicodeDecodeError:
-        raise _err(loc, field, f"{path} is not UTF-8 text") from None
     except OSError as e:
         raise _err(loc, field, f"cannot read {path}: {e.strerror}") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if stat.S_ISDIR(mode):
+            raise _err(loc, field, f"{path} is a directory, not a spec file")
+        if not stat.S_ISREG(mode):
+            raise _err(loc, field, f"{path} is not a regular file (a device, pipe or socket); a spec is a file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            data = f.read(MAX_FILE_BYTES + 1)
+    except OSError as e:
+        raise _err(loc, field, f"cannot read {path}: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    if len(data) > MAX_FILE_BYTES:
+        raise _err(loc, field, f"{path} is over {MAX_FILE_BYTES} bytes; a spec may be at most {MAX_FILE_BYTES}")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise _err(loc, field, f"{path} is not UTF-8 text") from None
 
 
 # ---------------------------------------------------------------- extends and overrides
@@ -181,7 +200,10 @@ def _merge(base: dict, top: dict) -> dict:
     return out
 
 
-def _load_file(path: Path, chain: tuple[Path, ...], loc: Loc | str, field: Path_) -> tuple[dict, dict]:
+def _load_file(
+    path: Path, chain: tuple[Path, ...], loc: Loc | str, field: Path_, root: Path | None
+) -> tuple[dict, dict]:
+    """A spec file merged over the files its `extends:` chain names; `root` bounds where those lie (None: anywhere)."""
     path = path.resolve() if path.exists() else path
     if path in chain:
         cycle = " -> ".join(p.name for p in chain + (path,))
@@ -189,16 +211,66 @@ def _load_file(path: Path, chain: tuple[Path, ...], loc: Loc | str, field: Path_
     if len(chain) >= MAX_EXTENDS_DEPTH:
         raise _err(loc, field, f"extends chain deeper than {MAX_EXTENDS_DEPTH}")
     file = _display(path)
-    data, locs = _parse_yaml(_read(path, loc, field), file)
+    text = _read(path, loc, field)
+    data, locs = _parse_extended(text, file, loc) if chain else _parse_yaml(text, file)
     parent = data.pop("extends", None)
     if parent is None:
         return data, locs
     ploc = locs[("extends",)]
     if not isinstance(parent, str) or not parent:
         raise _err(ploc, ("extends",), "extends must be a relative path to another spec file")
-    base, base_locs = _load_file(path.parent / parent, chain + (path,), ploc, ("extends",))
+    target = _extends_target(path, parent, ploc, root)
+    base, base_locs = _load_file(target, chain + (path,), ploc, ("extends",), root)
     locs.pop(("extends",), None)
     return _merge(base, data), {**base_locs, **locs}
+
+
+def spec_root(path: Path) -> Path:
+    """Where `extends:` may lead from the spec at `path`: the working folder when the spec lies inside it
+    (unless that is the filesystem root), else the spec's own folder."""
+    cwd, spec = Path.cwd().resolve(), Path(path).resolve()
+    return cwd if spec.is_relative_to(cwd) and cwd != Path(cwd.anchor) else spec.parent
+
+
+def _extends_target(spec_file: Path, parent: str, loc: Loc, root: Path | None) -> Path:
+    """The file an `extends:` names, relative to the file naming it; inside `root` (after symlinks) unless None."""
+    target = spec_file.parent / parent
+    if root is None:
+        return target
+    if Path(parent).is_absolute():
+        raise _err(loc, ("extends",), f"{parent!r} is an absolute path; extends takes a path relative to the "
+                   "spec (--extends-anywhere allows others)")
+    if not target.resolve().is_relative_to(root):
+        raise _err(loc, ("extends",), f"{parent!r} leads outside the spec root {root} (the working folder, or "
+                   "the spec's own when it lies outside that); --extends-anywhere allows it")
+    return target
+
+
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,63}")
+
+
+def _parse_extended(text: str, file: str, loc: Loc | str) -> tuple[dict, dict]:
+    """Parse a file reached through `extends:`; unless it is shaped like a spec, say so without showing any of it.
+
+    Only the spec named by the user gets errors quoting its text: a file it extends may be anything (a key
+    file, /etc/shadow), and YAML errors or wrong values would echo its contents. A file whose top level is a
+    mapping of spec fields is a spec and gets the usual errors; of any other, at most one field name is shown.
+    """
+
+    def refuse(why: str) -> SpecError:
+        return _err(loc, ("extends",), f"{file} is not a k3compile spec ({why})")
+
+    try:
+        data, locs = _parse_yaml(text, file)
+    except SpecError:
+        raise refuse("not a YAML mapping of spec fields; check it on its own for details") from None
+    unknown = next((k for k in data if k not in Spec.model_fields and k != "extends"), None)
+    if unknown is not None:
+        if not _FIELD_NAME.fullmatch(unknown):
+            raise refuse("a top-level key is not a spec field")
+        close = difflib.get_close_matches(unknown, list(Spec.model_fields), n=1, cutoff=0.6)
+        raise refuse(f"unknown top-level field {unknown!r}" + (f"; did you mean {close[0]!r}?" if close else ""))
+    return data, locs
 
 
 def _display(path: Path) -> str:
@@ -322,17 +394,30 @@ def _validate(data: dict, locs: dict, root: Loc | str) -> Spec:
         lines = []
         for err in e.errors(include_url=False):
             path, msg = _describe(err, data)
-            lines.append(f"{_locate(locs, path, root)}: {_fmt_path(path)}: {msg}")
-        raise SpecError(lines) from None
+            lines.append((_locate(locs, path, root), _fmt_path(path), msg))
+        raise SpecError(_capped(lines)) from None
+
+
+def _capped(lines: list[tuple[Loc | str, str, str]]) -> list[str]:
+    """`where: path: what` lines, at most MAX_ERROR_LINES: a list of 20,000 bad values does not print 20,000 lines."""
+    if len(lines) <= MAX_ERROR_LINES:
+        return [f"{loc}: {path}: {msg}" for loc, path, msg in lines]
+    shown = [f"{loc}: {path}: {msg}" for loc, path, msg in lines[: MAX_ERROR_LINES - 1]]
+    loc, path, _ = lines[MAX_ERROR_LINES - 1]
+    return shown + [f"{loc}: {path}: {len(lines) - len(shown):,} more errors from here on, not shown"]
 
 
 # ---------------------------------------------------------------- public API
 
 
-def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Spec:
-    """Load, merge (`extends:`), override (`a.b=value`) and validate a spec file."""
+def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), extends_anywhere: bool = False) -> Spec:
+    """Load, merge (`extends:`), override (`a.b=value`) and validate a spec file.
+
+    `extends:` paths are relative and stay inside `spec_root(path)`; `extends_anywhere` lifts that (opt-in).
+    """
     path = Path(path)
-    data, locs = _load_file(path, (), f"{path}:1:1", ())
+    root = None if extends_anywhere else spec_root(path)
+    data, locs = _load_file(path, (), f"{path}:1:1", (), root)
     for i, text in enumerate(overrides, 1):
         _apply_override(data, locs, text, i)
     return _validate(data, locs, f"{_display(path)}:1:1")

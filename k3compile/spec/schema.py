@@ -41,7 +41,8 @@ class FieldError(ValueError):
 
 
 class _Frozen(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, validate_default=True)
+    # allow_inf_nan=False: a NaN fails every bound, so without it `lr: .nan` reads "should be <= 10"
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=False, validate_default=True, allow_inf_nan=False)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -319,7 +320,9 @@ class Training(_Frozen):
     weight_decay: float = Field(default=0.1, ge=0, le=10, description="Decoupled weight decay.")
     schedule: Schedule = Field(default_factory=Schedule, description="Learning-rate schedule.")
     batch_size: Annotated[int, Field(ge=1, le=1 << 24)] = Field(default=8, description="Sequences per step.")
-    seq_len: Annotated[int, Field(ge=1, le=MAX_CONTEXT)] = Field(default=256, description="Tokens per sequence.")
+    seq_len: Annotated[int, Field(ge=2, le=MAX_CONTEXT)] = Field(
+        default=256, description="Tokens per sequence (at least 2: the loss predicts each token from those before)."
+    )
     grad_clip: float | None = Field(default=1.0, gt=0, description="Global gradient-norm clip; null disables.")
     qk_clip_tau: float | None = Field(default=None, gt=0, description="QK-clip threshold (Kimi K2: 100); null disables.")
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = Field(default=0, description="Seed for init and data order.")

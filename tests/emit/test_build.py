@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import keyword
 import os
@@ -55,7 +56,9 @@ def test_build_writes_the_documented_files(tiny_build, tiny_tree):
         ".k3compile-build", "__init__.py", "graphs/decode-final.txt", "graphs/prefill-final.txt",
         "graphs/train-final.txt", "manifest.json", "model.py",
     ]  # fmt: skip
-    assert json.loads(tiny_tree[".k3compile-build"]) == {"compiler": __version__, "spec": "k3-tiny"}
+    marker = json.loads(tiny_tree[".k3compile-build"])
+    hashes = {rel: hashlib.sha256(data).hexdigest() for rel, data in tiny_tree.items() if rel != ".k3compile-build"}
+    assert marker == {"compiler": __version__, "spec": "k3-tiny", "files": hashes}
 
 
 @pytest.mark.parametrize("occupant", ["foreign dir", "file"])
@@ -75,11 +78,21 @@ def test_building_over_a_foreign_path_is_refused_and_leaves_it_untouched(cli, ti
     assert snapshot(out) == before and os.listdir(out) == ["k3_tiny"]
 
 
-def test_refusal_happens_before_compiling(tiny_spec, tmp_path, monkeypatch):
-    (tmp_path / "k3_tiny").mkdir()
+@pytest.mark.parametrize("occupant", ["foreign dir", "-o is a file", "dangling symlink"])
+def test_refusal_happens_before_compiling(tiny_spec, tmp_path, monkeypatch, occupant):
+    out = tmp_path
+    if occupant == "foreign dir":
+        (tmp_path / "k3_tiny").mkdir()
+    elif occupant == "-o is a file":
+        out = tmp_path / "file"
+        out.write_text("")
+    else:
+        (tmp_path / "k3_tiny").symlink_to(tmp_path / "nowhere")
     monkeypatch.setattr("k3compile.build.compile_graphs", lambda *a, **k: pytest.fail("compiled before refusing"))
-    with pytest.raises(BuildDirError, match="refusing to overwrite"):
-        build(tiny_spec, tmp_path)
+    message = {"foreign dir": "refusing to overwrite", "-o is a file": "exists and is not a folder",
+               "dangling symlink": "is a symbolic link"}[occupant]
+    with pytest.raises(BuildDirError, match=message):
+        build(tiny_spec, out)
 
 
 @pytest.fixture
@@ -167,7 +180,13 @@ def test_package_name_is_an_importable_identifier(name, package):
     assert package_name(SimpleNamespace(name=name)) == package
 
 
+@pytest.mark.parametrize("name", ["torch", "os", "json", "yaml", "pydantic", "sys"])
+def test_names_of_importable_modules_are_prefixed(name):
+    """`-o .` with a spec named torch would create ./torch/, shadowing the real one for Python started there."""
+    assert package_name(SimpleNamespace(name=name)) == f"k3_{name}"
+
+
 @given(st.from_regex(NAME_RE, fullmatch=True))
 def test_every_valid_spec_name_gives_an_importable_package(name):
     package = package_name(SimpleNamespace(name=name))
-    assert package.isidentifier() and not keyword.iskeyword(package)
+    assert package.isidentifier() and not keyword.iskeyword(package) and package not in sys.stdlib_module_names

@@ -124,3 +124,11 @@ def test_symbolic_trace_and_compile_with_backward():
     torch.testing.assert_close(y_step, m(x[:, :1], state)[0])
     y.sum().backward()
     assert m.A_log.grad is not None and torch.isfinite(m.dt_bias.grad).all()
+
+
+def test_zero_tokens_give_an_empty_output_and_the_same_state():
+    mixer = _mixer()
+    _, state = mixer(_x(T=5))
+    out, after = mixer(_x(T=0), state)
+    assert out.shape == (2, 0, D)
+    assert all(torch.equal(a, b) for a, b in zip(after, state))

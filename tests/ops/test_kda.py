@@ -215,3 +215,26 @@ def test_bench_smoke(capsys):
     assert bench.main(["--tiny"]) == 0
     out = capsys.readouterr().out
     assert "kda chunk fwd" in out and "kda recurrent fwd" in out and "matmul" in out
+
+
+@pytest.mark.parametrize("mode", ["chunk", "recurrent"])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_zero_tokens_give_no_output_and_the_state_unchanged(mode, with_state):
+    """As the recurrence over no step: an empty output and the initial state (a copy, never the input itself)."""
+    *xs, S0 = _inputs(T=0, requires_grad=True)
+    o, S = kda(*xs, initial_state=S0 if with_state else None, output_final_state=True, mode=mode)
+    assert o.shape == (2, 0, 2, 16) and o.dtype == xs[2].dtype
+    assert torch.equal(S, S0 if with_state else torch.zeros_like(S0)) and S.data_ptr() != S0.data_ptr()
+    if with_state:
+        (S * 2).sum().backward()
+        assert torch.equal(S0.grad, torch.full_like(S0, 2.0))  # the state passes straight through
+        assert all(x.grad is None or x.grad.shape == x.shape for x in xs)
+    o_naive, S_naive = kda_naive(*xs, None, S0 if with_state else None)
+    assert o_naive.shape == o.shape and torch.equal(S_naive, S.detach())
+
+
+def test_short_conv_over_zero_tokens_keeps_its_state():
+    x = torch.randn(2, 0, 6)
+    weight, state = torch.randn(6, 4), torch.randn(2, 6, 3)
+    y, new = short_conv(x, weight, state, output_final_state=True)
+    assert y.shape == (2, 0, 6) and torch.equal(new, state) and new.data_ptr() != state.data_ptr()

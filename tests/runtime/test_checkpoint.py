@@ -159,3 +159,61 @@ def test_optimizer_state_round_trip_continues_identically(tmp_path):
     b_named.pop()
     with pytest.raises(ckpt.CheckpointError, match="unknown parameters: norm.bias"):
         ckpt.restore_optimizer(b_opt, b_named, loaded)
+
+
+# ---------------------------------------------------------------- the metadata: checksummed, then type-checked
+
+
+def _error(path) -> str:
+    with pytest.raises(ckpt.CheckpointError) as e:
+        ckpt.load(path)
+    assert "\n" not in str(e.value)
+    return str(e.value)
+
+
+def test_an_edited_metadata_file_fails_its_checksum(tmp_path):
+    """`step` changed from 8 to 5 (valid JSON, valid types) was accepted: the checksum covers every field."""
+    path = ckpt.save(tmp_path, 8, _state(Net(), 1.0), {"spec_name": "net"})
+    record = json.loads(path.read_text())
+    record["step"] = 5
+    path.write_text(json.dumps(record))
+    assert "metadata fails its checksum (edited or corrupted)" in _error(path)
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("step", "8", "step: Input should be a valid integer"),
+        ("step", None, "step: Input should be a valid integer"),
+        ("step", True, "step: Input should be a valid integer"),
+        ("step", 5, "records step 5 but is the file of step 8"),
+        ("tensors", "../other/step-000008.safetensors", "tensors: must name a file beside it"),
+        ("tensors", "sub/step-000008.safetensors", "tensors: must name a file beside it"),
+        ("bytes", -1, "bytes: Input should be greater than or equal to 0"),
+        ("crc32", 1.5, "crc32: Input should be a valid integer"),
+    ],
+)
+def test_metadata_fields_are_type_checked_even_with_a_valid_checksum(tmp_path, field, value, message):
+    path = ckpt.save(tmp_path, 8, _state(Net(), 1.0), {})
+    record = json.loads(path.read_text())
+    record[field] = value
+    path.write_text(json.dumps(ckpt.sealed(record)))
+    assert message in _error(path)
+    del record[field]
+    path.write_text(json.dumps(ckpt.sealed(record)))
+    assert f"{field}: Field required" in _error(path)
+
+
+def test_an_older_format_is_named(tmp_path):
+    path = ckpt.save(tmp_path, 1, _state(Net(), 1.0), {})
+    record = json.loads(path.read_text())
+    record["format"] = "k3compile-checkpoint/1"
+    path.write_text(json.dumps(record))
+    assert "is a k3compile-checkpoint/1 file (no metadata checksum)" in _error(path)
+
+
+def test_non_finite_tensors_are_named(tmp_path):
+    tensors = _state(Net(), 1.0)
+    tensors["model/norm.weight"] = torch.tensor([1.0, float("nan")] * 4)
+    with pytest.raises(ckpt.CheckpointError, match=r"holds non-finite values in model/norm.weight"):
+        ckpt.check_finite(ckpt.load(ckpt.save(tmp_path, 1, tensors, {})))

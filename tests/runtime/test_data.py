@@ -1,6 +1,8 @@
 """Byte-level data: corpus reading (stdlib default, files, folders), the split, entropy, seeded resumable batches."""
 
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -112,3 +114,35 @@ def test_eval_batches_are_fixed_non_overlapping_windows():
     assert starts == sorted(set(starts)) and all(s % 10 == 0 and s + 10 <= 100 for s in starts)
     few = eval_batches(tokens[:25], batch_size=4, seq_len=10, max_batches=2)
     assert [b[:, 0].tolist() for b in few] == [[0, 10]]
+
+
+PEAK_SCRIPT = """
+import resource, sys, zlib
+from k3compile.runtime.data import Batches, eval_batches, load_corpus, split, unigram_entropy
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB, after the imports
+corpus = load_corpus(sys.argv[1])
+train, val = split(corpus.data, 64)
+unigram_entropy(train)
+zlib.crc32(corpus.data)
+Batches(train, 8, 64, 0).next()
+eval_batches(val, 8, 64, 4)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024, len(corpus.data))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="ru_maxrss in KiB (Linux)")
+def test_the_data_path_holds_about_one_copy_of_the_corpus(tmp_path):
+    """37 MB of text peaked at 750 MB (bytes joined, copied, widened to int64 for the entropy): now ~1x."""
+    path = tmp_path / "corpus.txt"
+    path.write_bytes(b"def main(argv):\n    return len(argv) % 7\n" * 500_000)  # 20 MB
+    proc = subprocess.run([sys.executable, "-c", PEAK_SCRIPT, str(path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    grown, size = map(int, proc.stdout.split())
+    assert size == path.stat().st_size
+    assert grown < 1.5 * size, f"peak memory grew by {grown / size:.1f}x the corpus"
+
+
+def test_a_data_path_that_is_not_a_regular_file_is_refused():
+    with pytest.raises(DataError, match="/dev/zero is not a regular file"):
+        load_corpus("/dev/zero")

@@ -362,3 +362,32 @@ def test_bench_rows_have_the_same_bytes_whether_the_cache_is_prefilled_or_tiled(
         assert [a[k] for k in keys] == [b[k] for k in keys]
         assert a["graph_tok_s"] > 0 and a["total"] == a["kda_state"] + a["mla_latent"]
     assert "| k3-tiny | 13 |" in bench.render({"k3-tiny": tiled})
+
+
+def test_a_shapes_only_build_says_it_has_no_weights(cli, small_spec, tmp_path):
+    """The README's headline build (kimi-k3) lowers on the meta device; here a small spec forced there."""
+    from k3compile.build import BuildOptions, build
+
+    dest, _ = build(small_spec, tmp_path, BuildOptions(device="meta"))
+    err = _one_line_error(cli, dest, "--prompt", "hi", "--max-new-tokens", "4")
+    assert "has no weights (a shapes-only build" in err and "--checkpoint" in err
+
+
+def test_prompt_bytes_that_are_not_utf8_are_the_tokens_they_name(cli, small_build, seeded):
+    """A shell passes undecodable argv bytes as surrogate escapes: they are the prompt's bytes, not an error."""
+    from k3compile.runtime.generate import encode
+
+    assert encode("a\udcff") == [97, 255]
+    rc, out, err = cli("generate", small_build[0], "--prompt", "a\udcff", "--max-new-tokens", "2", "--temperature", "0")
+    assert rc == 0 and "Traceback" not in err, err
+    text = []
+    stream_text(generate_tokens(seeded, [97, 255], 2), text.append)
+    assert out == "".join(text) + "\n"
+    with pytest.raises(GenerateError, match="not text: it holds a lone surrogate"):
+        encode("\ud800")
+
+
+@pytest.mark.parametrize("seed", [str(2**64), str(-(2**63) - 1)])
+def test_a_seed_out_of_range_is_one_line(cli, small_build, seed):
+    err = _one_line_error(cli, small_build[0], "--prompt", "hi", "--max-new-tokens", "4", f"--seed={seed}")
+    assert "--seed must be an integer in [-2^63, 2^64)" in err

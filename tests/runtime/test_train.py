@@ -250,3 +250,200 @@ def test_train_rejects_bad_arguments_before_anything_else(tmp_path):
     with pytest.raises(TrainError, match="no such spec or build"):
         k3compile.train(tmp_path / "missing.yaml", 1, out=tmp_path / "x", progress=False)
     assert not (tmp_path / "x").exists()
+
+
+# ---------------------------------------------------------------- which builds a run may use, and where it writes
+
+
+def _tree(root):
+    return sorted((str(p.relative_to(root)), p.read_bytes()) for p in root.rglob("*") if p.is_file())
+
+
+def _copy_build(build, dest, edit=lambda files, manifest: None):
+    """A copy of `build` at `dest` written through write_package (its marker agrees) after `edit`."""
+    from k3compile.emit.package import MARKER, write_package
+
+    files = {str(p.relative_to(build)): p.read_bytes() for p in build.rglob("*") if p.is_file()}
+    marker = json.loads(files.pop(MARKER))
+    manifest = json.loads(files["manifest.json"])
+    edit(files, manifest)
+    files["manifest.json"] = json.dumps(manifest).encode()
+    return write_package(dest, files, marker)
+
+
+def _infer_only(files, manifest):
+    manifest["modes"], manifest["passes"] = ["infer"], {"infer": manifest["passes"]["train"]}
+
+
+def _fuse_disabled(files, manifest):
+    next(r for r in manifest["passes"]["train"] if r["name"] == "fuse")["status"] = "disabled"
+
+
+def _older_compiler(files, manifest):
+    manifest["compiler"] = "k3compile 0.0.1"
+
+
+@pytest.mark.parametrize("edit", [None, _infer_only, _fuse_disabled, _older_compiler],
+                         ids=lambda e: getattr(e, "__name__", "same"))
+def test_the_run_folders_build_is_reused_only_when_mode_passes_and_compiler_match(build, tmp_path, monkeypatch, edit):
+    from k3compile.runtime import train as train_module
+
+    _copy_build(build, tmp_path / "build" / "k3_tiny", edit or (lambda files, manifest: None))
+
+    class Rebuilt(Exception):
+        pass
+
+    def rebuild(*args, **kwargs):
+        raise Rebuilt
+
+    monkeypatch.setattr("k3compile.build.build", rebuild)
+    said = []
+    spec = load_spec(K3_TINY, list(SMALL))
+    if edit is None:
+        package = train_module.build_package(spec, tmp_path / "build", said.append)
+        assert hasattr(package, "Model") and said == [f"reusing the build in {tmp_path / 'build' / 'k3_tiny'}"]
+        return
+    with pytest.raises(Rebuilt):
+        train_module.build_package(spec, tmp_path / "build", said.append)
+    assert not any("reusing" in s for s in said)
+    reason = {"_infer_only": "no training Model", "_fuse_disabled": "passes disabled (fuse)",
+              "_older_compiler": "built by k3compile 0.0.1"}[edit.__name__]
+    assert any(reason in s for s in said), said
+
+
+@pytest.mark.parametrize("where", ["build", "build/run"])
+def test_a_run_folder_inside_a_build_is_refused(build, tmp_path, corpus_file, cli, where):
+    """Checkpoints there would be deleted by the next build (or stop it): refuse before writing anything."""
+    copy = _copy_build(build, tmp_path / "k3_tiny")
+    before = _tree(copy)
+    out = copy / where.removeprefix("build").lstrip("/") if where != "build" else copy
+    rc, _, err = cli("train", copy, "--steps", "1", "--data", corpus_file, "--out", out, *[f"--set={s}" for s in FAST])
+    assert rc == 2 and err.count("\n") == 1 and f"is inside the build {copy}" in err, err
+    assert _tree(copy) == before
+
+
+def test_a_build_without_weights_or_whose_code_fails_is_one_line_exit_2(build, tmp_path, corpus_file, cli):
+    from k3compile.build import BuildOptions
+    from k3compile.build import build as build_package
+
+    shapes_only, _ = build_package(load_spec(K3_TINY), tmp_path / "meta", BuildOptions(mode="train", device="meta"))
+    broken = _copy_build(build, tmp_path / "broken" / "k3_tiny",
+                         lambda files, manifest: files.__setitem__("model.py", files["model.py"] + b"\ndef (:\n"))
+    for path, message in [(shapes_only, "has no weights (a shapes-only build"), (broken, "SyntaxError")]:
+        out = tmp_path / f"run-{path.parent.name}"
+        rc, _, err = cli("train", path, "--steps", "1", "--data", corpus_file, "--out", out)
+        assert rc == 2 and err.count("\n") == 1 and message in err and "Traceback" not in err, err
+        assert not out.exists()
+
+
+@pytest.mark.parametrize("damage", ["optimizer shape", "optimizer slot", "rng size", "rng state", "nan weight",
+                                    "meta type"])
+def test_resume_checks_every_tensor_and_field_before_the_first_step(spec_run, build, tmp_path, corpus_file, damage):
+    """Each of these gave a traceback (some only at the first step) or was accepted; now one line at resume."""
+    state = ckpt.load(spec_run[1] / "checkpoints")
+    tensors, meta = dict(state.tensors), dict(state.meta)
+    if damage == "optimizer shape":
+        tensors["optim/layers.0.attn.q_proj.weight/momentum_buffer"] = torch.zeros(3, 3)
+    elif damage == "optimizer slot":  # the embedding is AdamW's: no momentum buffer
+        tensors["optim/embed.weight/momentum_buffer"] = torch.zeros_like(tensors["model/embed.weight"])
+    elif damage == "rng size":
+        tensors["rng/data"] = torch.zeros(10, dtype=torch.uint8)
+    elif damage == "rng state":
+        tensors["rng/torch"] = torch.zeros_like(tensors["rng/torch"])
+    elif damage == "nan weight":
+        embed = tensors["model/embed.weight"].clone()
+        embed[3, 0] = math.nan
+        tensors["model/embed.weight"] = embed
+    else:
+        meta["optimizer"] = "adamw"
+    ckpt.save(tmp_path / "run" / "checkpoints", 2, tensors, meta)
+    with pytest.raises(ckpt.CheckpointError) as e:
+        _train(build, tmp_path / "run", 3, corpus_file, resume=True)
+    expected = {
+        "optimizer shape": "layers.0.attn.q_proj.weight/momentum_buffer [3, 3] (expected a float tensor of shape [",
+        "optimizer slot": "embed.weight/momentum_buffer [256, 256] (no such state)",
+        "rng size": "rng/data is not a random-generator state",
+        "rng state": "rng/torch is not a valid random-generator state (Invalid mt19937 state)",
+        "nan weight": "holds non-finite values in model/embed.weight",
+        "meta type": "has bad training metadata: optimizer: Input should be a valid dictionary",
+    }[damage]
+    assert "\n" not in str(e.value) and expected in str(e.value), str(e.value)
+
+
+# ---------------------------------------------------------------- the metrics log: appended, never rewritten
+
+GARBAGE = [b"\xff\xfe not utf-8\n", b'{"step": null}\n', b'{"step": "2"}\n', b"[1, 2]\n", b'{"loss": 1.0}\n']
+
+
+def _copy_run(spec_run, out):
+    """A copy of the module's 2-step run (checkpoint at step 2, metrics of steps 1 and 2) to resume."""
+    shutil.copytree(spec_run[1] / "checkpoints", out / "checkpoints")
+    return (spec_run[1] / "metrics.jsonl").read_bytes().splitlines(keepends=True)
+
+
+def test_unreadable_metrics_lines_are_skipped_and_reported_on_resume(spec_run, build, tmp_path, corpus_file, cli):
+    out = tmp_path / "run"
+    first, second = _copy_run(spec_run, out)
+    kept = first + b"".join(GARBAGE) + second
+    # after the checkpoint's step: a record of a step the resumed run redoes, and a line cut by a crash
+    (out / "metrics.jsonl").write_bytes(kept + b'{"step": 3, "loss": 9.0}\n{"ste')
+    sets = [f"--set={s}" for s in SMALL]
+    rc, stdout, err = cli("train", build, "--steps", "3", "--data", corpus_file, "--out", out, "--resume", *sets)
+    assert rc == 0 and "Traceback" not in err, err
+    assert "skipped 5 lines that are not metrics records (the first: line 2)" in " ".join(stdout.split())
+    final = (out / "metrics.jsonl").read_bytes()
+    assert final.startswith(kept)  # nothing before the checkpoint rewritten
+    assert [json.loads(line)["step"] for line in final[len(kept) :].splitlines()] == [3]
+
+
+def test_disk_full_while_logging_is_one_line_and_leaves_whole_lines(spec_run, build, tmp_path, corpus_file,
+                                                                    monkeypatch):
+    out = tmp_path / "run"
+    (out / "metrics.jsonl").write_bytes(b"".join(_copy_run(spec_run, out)))
+    real = os.write
+
+    def full_at_step_three(fd, data):
+        if b'"step": 3' in bytes(data) and b'"loss"' in bytes(data):
+            real(fd, data[:10])  # a short write, then the disk is full
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", full_at_step_three)
+    with pytest.raises(TrainError, match=r"cannot append to .*metrics.jsonl: No space left on device"):
+        _train(build, out, 4, corpus_file, resume=True)
+    assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]  # no temporary file
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert ckpt.committed(out / "checkpoints") == [2]
+
+
+# ---------------------------------------------------------------- SIGTERM (docker stop, Kubernetes, SLURM)
+
+
+@pytest.mark.skipif(os.name != "posix", reason="SIGTERM")
+def test_sigterm_finishes_the_step_checkpoints_and_exits_143(tmp_path, corpus_file, write_spec, hand_text):
+    """Like a first Ctrl-C: the step completes, a checkpoint is written, the exit code says SIGTERM (128 + 15).
+
+    The hand-sized spec keeps the child's build and checkpoint small."""
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    sets = ["vocab_size=256", "training.seq_len=16", "training.batch_size=2", "training.optimizer=adamw"]
+    argv = [sys.executable, "-m", "k3compile.cli", "train", str(write_spec(hand_text)), "--steps", "100000",
+            "--data", str(corpus_file), "--out", str(out), "--eval-every", "100000", *[f"--set={s}" for s in sets]]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        metrics = out / "metrics.jsonl"
+        for _ in range(1200):  # up to 2 minutes for the first step (a loaded machine)
+            if metrics.exists() and metrics.read_text().count("\n") >= 1 or proc.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert proc.poll() is None, proc.stderr.read()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, len(steps) + 1)) and ckpt.committed(out / "checkpoints") == [steps[-1]]

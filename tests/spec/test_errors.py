@@ -124,6 +124,9 @@ CASES = [
     spec_case("absurd-size", edit({3: "hidden_size: 1000000000"}), 3, 1, "hidden_size", "less than or equal to 131072"),
     spec_case("negative", edit({9: "  num_heads: -2"}), 9, 3, "kda.num_heads", "greater than or equal to 1"),
     spec_case("positive-decay-bound", edit({13: "    lower_bound: 5.0"}), 13, 5, "kda.decay.lower_bound", "less than 0"),
+    spec_case("nan-float", edit({36: "  seq_len: 256\n  lr: .nan"}), 37, 3, "training.lr", "finite number"),
+    spec_case("infinite-float", edit({29: "  beta1: -.inf"}), 29, 3, "activation.beta1", "finite number"),
+    spec_case("seq-len-one", edit({36: "  seq_len: 1"}), 36, 3, "training.seq_len", "greater than or equal to 2"),
     # --- cross-field checks
     spec_case("mx-block", edit({26: "  expert_intermediate_size: 48"}), 32, 3, "quantization.rules",
               "input dim 48 is not a multiple of the MX block 32"),
@@ -214,6 +217,18 @@ def test_two_problems_give_two_lines(tmp_path, monkeypatch, cli):
     assert rc == 2 and "Traceback" not in err
     where = sorted((m["line"], m["path"]) for m in map(LINE_RE.match, err.splitlines()))
     assert where == [("26", "moe.topk"), ("3", "hidden_size")]
+
+
+def test_many_errors_are_capped_and_summarised(tmp_path, monkeypatch, cli):
+    """20,000 bad list elements give a screenful, the last line counting what is not shown."""
+    (tmp_path / "spec.yaml").write_text(edit({21: "  layers: [" + ", ".join(["x"] * 20_000) + "]"}))
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = cli("check", "spec.yaml")
+    lines = err.splitlines()
+    assert rc == 2 and len(lines) == 20, len(lines)
+    assert all(LINE_RE.match(line) for line in lines)
+    assert "dense_ffn.layers[0]: Input should be a valid integer" in lines[0]
+    assert lines[-1].endswith("dense_ffn.layers[19]: 19,981 more errors from here on, not shown")
 
 
 def test_misspelled_key_reports_both_sides(tmp_path, monkeypatch, cli):

@@ -11,8 +11,11 @@ from k3compile.spec.schema import Spec
 
 
 @pytest.fixture
-def tiny(specs_dir):
-    return specs_dir / "k3-tiny.yaml"
+def tiny(specs_dir, tmp_path):
+    """A copy of specs/k3-tiny.yaml beside the test's specs (`extends:` stays inside the spec's folder)."""
+    path = tmp_path / "k3-tiny.yaml"
+    path.write_text((specs_dir / "k3-tiny.yaml").read_text())
+    return path
 
 
 def test_every_shipped_spec_loads(shipped_spec):
@@ -41,7 +44,7 @@ def test_spec_is_frozen(tiny):
 
 
 def test_extends_is_relative_to_the_file_not_the_cwd(tiny, write_spec, tmp_path, monkeypatch):
-    child = write_spec(f"extends: {tiny}\nname: child\n", "a/child.yaml")
+    child = write_spec("extends: ../k3-tiny.yaml\nname: child\n", "a/child.yaml")
     grand = write_spec("extends: ../a/child.yaml\nname: grand\n", "b/grand.yaml")
     monkeypatch.chdir(tmp_path)  # from here ../a/child.yaml names a file that does not exist
     spec = load_spec(grand)
@@ -52,7 +55,7 @@ def test_extends_is_relative_to_the_file_not_the_cwd(tiny, write_spec, tmp_path,
 
 def test_extends_deep_merges_mappings(tiny, write_spec):
     base = load_spec(tiny)
-    spec = load_spec(write_spec(f"extends: {tiny}\nname: c\nmoe:\n  top_k: 2\n  router:\n    scoring: softmax\n"))
+    spec = load_spec(write_spec(f"extends: {tiny.name}\nname: c\nmoe:\n  top_k: 2\n  router:\n    scoring: softmax\n"))
     assert spec.moe.top_k == 2 and spec.moe.router.scoring == "softmax"
     # siblings at every level survive the merge
     assert spec.moe.num_experts == base.moe.num_experts
@@ -62,7 +65,7 @@ def test_extends_deep_merges_mappings(tiny, write_spec):
 
 
 def test_extends_replaces_lists_and_null_clears(tiny, write_spec):
-    text = f"extends: {tiny}\nname: c\ndense_ffn:\n  layers: [1, 2]\nmla:\n  q_lora_rank: null\n"
+    text = f"extends: {tiny.name}\nname: c\ndense_ffn:\n  layers: [1, 2]\nmla:\n  q_lora_rank: null\n"
     spec = load_spec(write_spec(text))
     assert spec.dense_ffn.layers == (1, 2)  # replaced, not appended to [0]
     assert spec.mla.q_lora_rank is None
@@ -70,7 +73,7 @@ def test_extends_replaces_lists_and_null_clears(tiny, write_spec):
 
 
 def test_extends_chain_applies_in_order(write_spec, tiny):
-    write_spec(f"extends: {tiny}\nname: one\nhidden_size: 512\nmoe:\n  top_k: 2\n", "one.yaml")
+    write_spec(f"extends: {tiny.name}\nname: one\nhidden_size: 512\nmoe:\n  top_k: 2\n", "one.yaml")
     write_spec("extends: one.yaml\nname: two\nmoe:\n  top_k: 8\n", "two.yaml")
     three = write_spec("name: three\nextends: two.yaml\nnum_layers: 12\n", "three.yaml")
     spec = load_spec(three)
@@ -78,7 +81,7 @@ def test_extends_chain_applies_in_order(write_spec, tiny):
 
 
 def test_extends_error_points_at_the_file_that_wrote_the_value(write_spec, tiny):
-    write_spec(f"extends: {tiny}\nname: mid\n\nmoe:\n  top_k: 99\n", "mid.yaml")
+    write_spec(f"extends: {tiny.name}\nname: mid\n\nmoe:\n  top_k: 99\n", "mid.yaml")
     child = write_spec("extends: mid.yaml\nname: leaf\n", "leaf.yaml")
     with pytest.raises(SpecError) as e:
         load_spec(child)
@@ -120,7 +123,7 @@ def test_override_whole_section_and_new_section(tiny):
 
 
 def test_later_override_wins_and_overrides_beat_extends(tiny, write_spec):
-    child = write_spec(f"extends: {tiny}\nname: c\nmoe:\n  top_k: 2\n")
+    child = write_spec(f"extends: {tiny.name}\nname: c\nmoe:\n  top_k: 2\n")
     assert load_spec(child).moe.top_k == 2
     assert load_spec(child, ["moe.top_k=8"]).moe.top_k == 8
     assert load_spec(child, ["moe.top_k=8", "moe.top_k=1"]).moe.top_k == 1

@@ -1,0 +1,211 @@
+"""Exporting k3-tiny's infer graph: traced once (the expensive half), then finished per MX representation and
+weights mode, checked, and run in onnxruntime against the PyTorch InferenceModel it came from."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+import onnx
+import pytest
+import torch
+
+from k3compile.emit.onnx import check as k3check
+from k3compile.emit.onnx import export as E
+from k3compile.emit.onnx import functions as F
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_build):
+    """(package dir, manifest, the infer ExportGraph, its traced ONNX model) of the shared k3-tiny build."""
+    from k3compile.loader import load
+
+    dest, manifest = tiny_build
+    graph = E.graph_of(load(dest), "infer")
+    return dest, manifest, graph, E.trace(graph)
+
+
+def finished(tiny, out_dir, mx="uint8", weights="inline", opset=24):
+    """Finish a copy of the traced model as asked and write it; returns (path, Library)."""
+    _, manifest, graph, traced = tiny
+    lib = F.define(opset, mx)
+    files, _ = E.save(E.finish(traced.clone(), graph, lib, weights, manifest), out_dir, "infer", weights)
+    return files, lib
+
+
+@pytest.fixture(scope="module")
+def uint8_model(tiny, tmp_path_factory):
+    files, lib = finished(tiny, tmp_path_factory.mktemp("uint8"))
+    return files[0], lib
+
+
+def test_infer_graph_runs_in_onnxruntime_like_pytorch(tiny, uint8_model):
+    """Random tokens of other sizes than traced (dynamic axes) through onnxruntime and the InferenceModel.
+
+    The experts' MXFP8 activation fake-quantisation turns last-bit differences at rounding ties into one grid
+    step, so the max relative error is a few 1e-3 (a handful of flips) while the rms error stays small; the
+    functions themselves are bit-exact (test_functions)."""
+    path, lib = uint8_model
+    found = k3check.check_file(path, tiny[2], lib)
+    assert found["engine"] == "onnxruntime" and found["inputs"] == {"tokens": [3, 37]}
+    assert found["rms_relative_error"] < 2e-3  # the MX policy's tolerance for serving (tests/runtime/test_serving.py)
+    assert found["max_relative_error"] < 2e-2  # a handful of MXFP8 rounding flips (docstring)
+
+
+def test_k3_function_calls_match_the_compiled_graph(tiny, uint8_model):
+    """One call of an op's function per k3 node the compiler bound in the infer graph (manifest's binding table)."""
+    path, lib = uint8_model
+    compiled = Counter({row["op"].removeprefix("k3::"): row["nodes"]
+                        for row in tiny[1]["binding_table"]["prefill"] if row["op"].startswith("k3::")})
+    calls = k3check.k3_calls(onnx.load(path))
+    assert Counter(lib.ops[name] for name in calls.elements()) == compiled
+    assert sum(compiled.values()) == 152
+
+
+def test_names_axes_and_metadata(tiny, uint8_model):
+    model = onnx.load(uint8_model[0])
+    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+    assert [(i.name, dims(i)) for i in model.graph.input] == [("tokens", ["batch", "seq"])]
+    assert [(o.name, dims(o)) for o in model.graph.output] == [("logits", ["batch", "seq", 256])]
+    meta = {p.key: p.value for p in model.metadata_props}
+    manifest = tiny[1]
+    assert meta["k3compile.spec_sha256"] == manifest["spec"]["sha256"]
+    assert meta["k3compile.compiler"] == manifest["compiler"]
+    assert (meta["k3compile.graph"], meta["k3compile.target"], meta["k3compile.mx"]) == ("infer", "cpu", "uint8")
+    assert {o.domain: o.version for o in model.opset_import} == {"": 24, "k3": 1}
+    assert all(f.domain == "k3" for f in model.functions)
+
+
+def test_fp4_weights_are_float4_with_e8m0_scales(tiny, tmp_path):
+    """--mx fp4: the packed expert buffers become FLOAT4E2M1 [..., n] (same bytes) with FLOAT8E8M0 scales, decoded
+    by DequantizeLinear(block_size=32); the full checker and strict shape inference pass."""
+    (path,), _ = finished(tiny, tmp_path, mx="fp4")
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path))
+    onnx.shape_inference.infer_shapes(model, check_type=True, strict_mode=True)
+    inits = {t.name: t for t in model.graph.initializer}
+    buffers = dict(tiny[2].module.named_buffers())
+    data, scale = "layers.1.moe.experts.gate_proj.weight_mx", "layers.1.moe.experts.gate_proj.weight_scale"
+    assert inits[data].data_type == onnx.TensorProto.FLOAT4E2M1 and list(inits[data].dims) == [32, 128, 128]
+    assert inits[data].raw_data == buffers[data].numpy().tobytes()
+    assert inits[scale].data_type == onnx.TensorProto.FLOAT8E8M0
+    assert inits[scale].raw_data == buffers[scale].numpy().tobytes()
+    decode = next(f for f in model.functions if f.name == "mx_dequantize_e2m1")
+    assert [n.op_type for n in decode.node] == ["DequantizeLinear"]
+
+
+def test_weights_none_keeps_the_structure_only(tiny, tmp_path):
+    (path,), _ = finished(tiny, tmp_path, weights="none")
+    onnx.checker.check_model(str(path), full_check=True)
+    model = onnx.load(str(path))
+    state = dict(tiny[2].module.state_dict())
+    inputs = {i.name: i for i in model.graph.input}
+    assert set(state) <= set(inputs) and not set(state) & {t.name for t in model.graph.initializer}
+    embed = inputs["embed.weight"].type.tensor_type
+    assert embed.elem_type == onnx.TensorProto.FLOAT and [d.dim_value for d in embed.shape.dim] == [256, 256]
+    assert path.stat().st_size < 2e6
+
+
+def test_external_weights_beside_the_model(tiny, tmp_path, uint8_model):
+    files, _ = finished(tiny, tmp_path, weights="external")
+    assert [p.name for p in files] == ["infer.onnx", "infer.onnx.data"]
+    onnx.checker.check_model(str(files[0]), full_check=True)
+    assert files[0].stat().st_size < 2e6 and files[1].stat().st_size > 20e6
+
+
+def test_translations_of_ops_outside_k3_tiny(tmp_path):
+    """Ops the decode graph and other specs use, through the translation table (None states, default scales,
+    variants chosen by strings), exported by torch and run in onnxruntime."""
+    import onnxruntime as ort
+
+    ops = torch.ops.k3
+
+    class Ops(torch.nn.Module):
+        def forward(self, x, q, k, v, g, beta, state, conv_w, q_mla, latent, w_kvb, logits, xe, w_gate, w_up, w_down,
+                    x2, data, scale):
+            o, s = ops.kda_decode_step.default(q, k, v, g, beta, state, None)
+            normed, total = ops.add_rms_norm.default(x, x * 2, conv_w[:, 0], 1e-5)
+            act = ops.gelu.default(x, "tanh") + ops.situ_glu.default(x, x, 4.0, 25.0) + ops.swiglu.default(x, x)
+            conv, tail = ops.short_conv.default(x, conv_w, None)
+            mla = ops.mla_decode_absorbed.default(q_mla, latent, w_kvb, 0.3)
+            weights, idx, _ = ops.moe_route.default(logits, None, 2, "softmax", False, 1.5)
+            hidden = ops.expert_glu.default(xe, w_gate, w_up, "swiglu", 0.0, 0.0)
+            down = ops.expert_matmul.default(hidden, w_down)
+            deq = ops.mx_dequantize.default(data, scale, "e2m1", 32, torch.float32)
+            lin = ops.mx_linear.default(x2, data[0], scale[0], "e2m1", 32, "e4m3")
+            return o, s, normed, total, act, conv, tail, mla, weights, idx, down, deq, lin
+
+    gen = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    unit = lambda *shape: torch.nn.functional.normalize(r(*shape), dim=-1)  # noqa: E731
+    data, scale = ops.mx_quantize.default(r(2, 16, 64), "e2m1", 32)
+    args = (r(2, 5, 16), unit(2, 3, 16), unit(2, 3, 16), r(2, 3, 16), -torch.rand(2, 3, 16, generator=gen),
+            torch.rand(2, 3, generator=gen), r(2, 3, 16, 16), r(16, 4), r(2, 1, 3, 12), r(2, 7, 14), r(3 * 14, 10),
+            r(6, 8), r(2, 4, 64), r(2, 16, 64), r(2, 16, 64), r(2, 64, 16), r(5, 64), data, scale)
+    want = Ops()(*args)
+    graph = E.ExportGraph("infer", Ops(), args, tuple(f"in{i}" for i in range(len(args))),
+                          tuple(f"out{i}" for i in range(len(want))), None, {})
+    manifest = {"spec": {"name": "ops", "sha256": "-"}, "compiler": "-", "target": "cpu"}
+    lib = F.define(24, "uint8")
+    (path,), _ = E.save(E.finish(E.trace(graph), graph, lib, "inline", manifest), tmp_path, "infer", "inline")
+    got = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(
+        None, {f"in{i}": a.numpy() for i, a in enumerate(args)})
+    for name, a, b in zip(graph.output_names, got, want):
+        b = b.numpy()
+        assert np.abs(a - b).max() <= 1e-5 * max(np.abs(b).max(), 1e-30), name
+    calls = Counter(lib.ops[n] for n in k3check.k3_calls(onnx.load(str(path))).elements())
+    assert calls == Counter(["kda_decode_step", "add_rms_norm", "gelu", "situ_glu", "swiglu", "short_conv",
+                             "mla_decode_absorbed", "moe_route", "expert_glu", "expert_matmul", "mx_dequantize",
+                             "mx_linear"])
+
+
+def test_a_mutating_graph_takes_the_exporters_decomposing_path(tmp_path):
+    """An in-place op is not translatable as captured: trace hands the program to the exporter's own
+    decomposition (functionalisation), and the k3 op still becomes its function."""
+    import onnxruntime as ort
+    from torch.onnx._internal.exporter import _registration
+
+    class Mutating(torch.nn.Module):
+        def forward(self, x):
+            y = x.clone()
+            y.add_(1.0)
+            return torch.ops.k3.rms_norm.default(y, x[0, 0], 1e-5)
+
+    x = torch.randn(2, 3, 4)
+    captured = torch.export.export(Mutating(), (x,), strict=False)
+    assert not E._translatable_as_captured(captured.graph, _registration.ONNXRegistry.from_torchlib())
+    graph = E.ExportGraph("infer", Mutating(), (x,), ("x",), ("y",), None, {})
+    manifest = {"spec": {"name": "mutating", "sha256": "-"}, "compiler": "-", "target": "cpu"}
+    lib = F.define(24, "uint8")
+    (path,), _ = E.save(E.finish(E.trace(graph), graph, lib, "inline", manifest), tmp_path, "infer", "inline")
+    (got,) = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, {"x": x.numpy()})
+    np.testing.assert_allclose(got, Mutating()(x).numpy(), rtol=1e-6, atol=1e-6)
+    assert k3check.k3_calls(onnx.load(str(path))) == Counter(rms_norm=1)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["/nonexistent/build"], "is not a k3compile build"),
+    (["BUILD", "--graph", "everything"], "unknown graph 'everything'"),
+    (["BUILD", "--graph", "prefill"], "the build has no prefill graph"),
+    (["BUILD", "--opset", "21"], "opset 21 is too low for --mx fp4"),
+    (["BUILD", "--weights", "half"], "unknown weights mode 'half'"),
+    (["BUILD", "--mx", "int4"], "unknown MX representation 'int4'"),
+])
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(cli, tiny_build, tmp_path, argv, message):
+    out = tmp_path / "out"
+    argv = [str(tiny_build[0]) if a == "BUILD" else a for a in argv]
+    rc, stdout, stderr = cli("export", *argv, "-o", out)
+    assert rc == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
+    assert not out.exists()
+
+
+def test_cli_prints_the_check(cli, monkeypatch, tiny, uint8_model, tmp_path):
+    """The command's report: the file, the k3 functions with counts, the engine and the largest errors."""
+    path, lib = uint8_model
+    found = k3check.check_file(path, tiny[2], lib, numerics=False)
+    result = E.Exported("infer", path, [path], path.stat().st_size, 1.0, Counter(found["functions"]), found)
+    monkeypatch.setattr(E, "export_onnx", lambda *a, **k: [result])
+    rc, stdout, _ = cli("export", tiny[0], "-o", tmp_path, "--check")
+    assert rc == 0
+    assert f"wrote {path}" in stdout and "152 k3 calls of 15 functions" in stdout
+    assert "k3.attn_res" in stdout and "17" in stdout and "numerics: skipped" in stdout
