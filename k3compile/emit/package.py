@@ -22,6 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from k3compile.runtime.durable import fsync_path
+
 MARKER = ".k3compile-build"
 _OWN_CACHE = "__pycache__"  # importing a build writes bytecode there: not a foreign file
 
@@ -104,7 +106,7 @@ def write_package(dest: Path, files: dict[str, bytes], marker: dict) -> Path:
     try:
         _write_tree(tmp, {**files, MARKER: _marker_bytes(marker, files)})
         replaced = _swap_in(tmp, dest)
-        _fsync_path(dest.parent)
+        fsync_path(dest.parent)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(e, OSError):
@@ -153,21 +155,6 @@ def remove_stale(dest: Path) -> None:
             shutil.rmtree(entry, ignore_errors=True)
 
 
-def _fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder's entry list, so that a rename in it survives a power cut)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # platforms without directory handles
-    try:
-        os.fsync(fd)
-    except OSError as e:
-        if e.errno not in (errno.EINVAL, errno.EBADF):  # folders that cannot be fsynced
-            raise
-    finally:
-        os.close(fd)
-
-
 def _write_tree(root: Path, files: dict[str, bytes]) -> None:
     """Write every file under `root` and fsync it, then every folder, deepest first."""
     folders = {root}
@@ -180,7 +167,7 @@ def _write_tree(root: Path, files: dict[str, bytes]) -> None:
             f.flush()
             os.fsync(f.fileno())
     for folder in sorted(folders, key=lambda p: len(p.parts), reverse=True):
-        _fsync_path(folder)
+        fsync_path(folder)
 
 
 _RENAME_EXCHANGE = 2

@@ -28,6 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
+from k3compile.runtime.durable import fsync_path
 from k3compile.runtime.muon import PerHeadMuon
 
 FORMAT = "k3compile-checkpoint/2"
@@ -117,19 +118,6 @@ def _write_atomic(path: Path, data: bytes) -> None:
         raise
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return  # platforms without directory handles
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def save(directory: Path, step: int, tensors: Mapping[str, Tensor], meta: Mapping) -> Path:
     """Commit a checkpoint of `step`, then delete every other one; returns its JSON path.
 
@@ -155,7 +143,7 @@ def save(directory: Path, step: int, tensors: Mapping[str, Tensor], meta: Mappin
         text = json.dumps(record, indent=1, sort_keys=True).encode()
         _write_atomic(tensor_path, payload)
         _write_atomic(json_path, text)
-        _fsync_dir(directory)
+        fsync_path(directory)
     except OSError as e:
         json_path.unlink(missing_ok=True)
         tensor_path.unlink(missing_ok=True)
