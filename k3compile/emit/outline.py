@@ -256,7 +256,7 @@ def inline_simple(text: str) -> str:
             aliases[layer.group(2)] = layer.group(3)
             continue
         m = _SIMPLE.match(code + comment) or _STACK.match(code + comment)
-        if m and words[m.group(2)] == 2:  # defined once, used once
+        if m and words[m.group(2)] == 2 and m.group(3) != "self.layers":  # defined once, used once (not by aliases)
             pending[m.group(2)] = (m.group(3), freed)
             continue
         for name in [n for n in pending if re.search(rf"(?<![\w.]){n}\b", code)]:
