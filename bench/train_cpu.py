@@ -11,7 +11,13 @@ A step is forward + mean next-token loss + backward + the spec's optimizer step 
             by hand, experts at the spec's capacity, MX activation fake quantisation but fp32 expert weights;
   compiled  torch.compile of the emitted Model (compile time reported separately, not in tokens/s).
 Columns: the first (warm-up) step, then medians over --steps of forward + backward, the optimizer step and
-the whole step; tokens/s = batch * seq / median step seconds. Nothing here is asserted on.
+the whole step, each in process CPU seconds (all threads, user + system: the number to compare on a shared
+machine) and wall seconds; tokens/s = batch * seq / median wall step seconds. The header names the CPU
+capability torch dispatches to, the thread count and the precision Muon's Newton-Schulz runs in (see
+`training.muon_precision`). Nothing here is asserted on.
+
+To measure a CPU without native bf16 on one that has it, restrict PyTorch and oneDNN to AVX2:
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/train_cpu.py --batch 8 --seq 128
 """
 
 from __future__ import annotations
@@ -28,25 +34,29 @@ import torch.nn.functional as F
 
 import k3compile
 from k3compile.runtime.decoder import Decoder
+from k3compile.runtime.muon import muon_precision
 from k3compile.runtime.train import make_optimizer
 from k3compile.spec.load import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def trainer(model: torch.nn.Module, loss_fn: Callable, spec, tokens: torch.Tensor) -> Callable[[], tuple[float, float]]:
+Times = tuple[float, float, float, float]  # CPU s fwd+bwd, CPU s optimizer, wall s fwd+bwd, wall s optimizer
+
+
+def trainer(model: torch.nn.Module, loss_fn: Callable, spec, tokens: torch.Tensor) -> Callable[[], Times]:
     """One training step of `model` (loss_fn(model, tokens) -> loss) with the spec's optimizer; returns the
-    seconds of forward + backward and of the optimizer step."""
+    CPU and wall seconds of forward + backward and of the optimizer step."""
     named = list(model.named_parameters())
     opt = make_optimizer(spec, named)
 
-    def step() -> tuple[float, float]:
-        start = time.perf_counter()
+    def step() -> Times:
+        wall, cpu = time.perf_counter(), time.process_time()
         loss_fn(model, tokens).backward()
-        middle = time.perf_counter()
+        wall_mid, cpu_mid = time.perf_counter(), time.process_time()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return middle - start, time.perf_counter() - middle
+        return cpu_mid - cpu, time.process_time() - cpu_mid, wall_mid - wall, time.perf_counter() - wall_mid
 
     return step
 
@@ -102,7 +112,11 @@ def main() -> None:
 def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> None:
     torch.manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (batch, seq))
-    print(f"{spec.name}: batch {batch} x seq {seq} = {batch * seq} tokens/step, {torch.get_num_threads()} threads")
+    print(
+        f"{spec.name}: batch {batch} x seq {seq} = {batch * seq} tokens/step; CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    print(muon_precision(spec.training.muon_precision)[1])
     emitted = package.Model().train()
     state = {k: v.detach().clone() for k, v in emitted.state_dict().items()}
     rows: list[tuple[str, Callable[[], Callable[[], None]]]] = [
@@ -117,15 +131,19 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
             return trainer(torch.compile(model), emitted_loss, spec, tokens)
 
         rows.append(("compiled", compiled))
-    print(f"{'row':<10} {'first step s':>13} {'fwd+bwd s':>10} {'optim s':>8} {'step s':>7} {'tokens/s':>9}")
+    print(f"{'':<10} {'first step':>10}  {'CPU seconds (median)':^26}  {'wall seconds (median)':^26}")
+    print(f"{'row':<10} {'CPU s':>10}  {'fwd+bwd':>8} {'optim':>8} {'step':>8}  {'fwd+bwd':>8} {'optim':>8} "
+          f"{'step':>8}  {'tokens/s':>8}")
     for name, make in rows:
         step = make()
-        first = sum(step())  # warm-up (for compiled: includes compilation)
+        first = step()  # warm-up (for compiled: includes compilation)
         times = [step() for _ in range(steps)]
-        model_s, optim_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
-        total = statistics.median(sum(t) for t in times)
+        med = [statistics.median(t[i] for t in times) for i in range(4)]
+        cpu_total = statistics.median(t[0] + t[1] for t in times)
+        wall_total = statistics.median(t[2] + t[3] for t in times)
         print(
-            f"{name:<10} {first:>13.2f} {model_s:>10.2f} {optim_s:>8.2f} {total:>7.2f} {batch * seq / total:>9.0f}",
+            f"{name:<10} {first[0] + first[1]:>10.2f}  {med[0]:>8.2f} {med[1]:>8.2f} {cpu_total:>8.2f}  "
+            f"{med[2]:>8.2f} {med[3]:>8.2f} {wall_total:>8.2f}  {batch * seq / wall_total:>8.0f}",
             flush=True,
         )
 
