@@ -3,6 +3,7 @@
     python bench/train_cpu.py                      # the spec's batch and seq_len, 3 timed steps each
     python bench/train_cpu.py --batch 8 --seq 128 --steps 5
     python bench/train_cpu.py --tiny               # seconds-long smoke run (batch 2 x 32, no torch.compile)
+    python bench/train_cpu.py --threads 1 --no-compile   # the steadiest CPU seconds on a shared machine
 
 A step is forward + mean next-token loss + backward + the spec's optimizer step (Per-Head Muon), exactly as
 `k3compile train` runs it, on random bytes. Rows:
@@ -90,10 +91,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, help="sequence length (default: the spec's training.seq_len)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row after one warm-up (default 3)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice); on a shared "
+                        "machine 1 thread gives the steadiest CPU seconds (idle threads spin-waiting count too)")
     parser.add_argument("--tiny", action="store_true", help="batch 2 x 32, 2 steps, no torch.compile")
     args = parser.parse_args()
     if args.tiny:
         args.batch, args.seq, args.steps, args.no_compile = args.batch or 2, args.seq or 32, 2, True
+    if args.threads:
+        torch.set_num_threads(args.threads)
     spec = load_spec(args.spec)
     batch, seq = args.batch or spec.training.batch_size, args.seq or spec.training.seq_len
     with tempfile.TemporaryDirectory() as tmp:
