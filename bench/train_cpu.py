@@ -14,8 +14,9 @@ A step is forward + mean next-token loss + backward + the spec's optimizer step 
 Columns: the first (warm-up) step, then medians over --steps of forward + backward, the optimizer step and
 the whole step, each in process CPU seconds (all threads, user + system: the number to compare on a shared
 machine) and wall seconds; tokens/s = batch * seq / median wall step seconds. The header names the CPU
-capability torch dispatches to, the thread count and the precision Muon's Newton-Schulz runs in (see
-`training.muon_precision`). Nothing here is asserted on.
+capability torch dispatches to, the thread count, the CPU time of one bf16 and one fp32 Gram matmul (a
+256 x 768 Newton-Schulz step: bf16 is native where the two are close, emulated where it is 5-45x slower)
+and the precision Muon's Newton-Schulz runs in (see `training.muon_precision`). Nothing here is asserted on.
 
 To measure a CPU without native bf16 on one that has it, restrict PyTorch and oneDNN to AVX2:
     ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/train_cpu.py --batch 8 --seq 128
@@ -60,6 +61,16 @@ def trainer(model: torch.nn.Module, loss_fn: Callable, spec, tokens: torch.Tenso
         return cpu_mid - cpu, time.process_time() - cpu_mid, wall_mid - wall, time.perf_counter() - wall_mid
 
     return step
+
+
+def gram_cpu_ms(dtype: torch.dtype, repeats: int = 10) -> float:
+    """CPU milliseconds of one 256 x 768 Gram matmul x x^T in `dtype` (after a warm-up)."""
+    x = torch.randn(256, 768).to(dtype)
+    x @ x.T
+    start = time.process_time()
+    for _ in range(repeats):
+        x @ x.T
+    return (time.process_time() - start) / repeats * 1e3
 
 
 def emitted_loss(model, tokens):
@@ -121,6 +132,7 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
         f"{spec.name}: batch {batch} x seq {seq} = {batch * seq} tokens/step; CPU capability "
         f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
     )
+    print(f"256 x 768 Gram matmul: bf16 {gram_cpu_ms(torch.bfloat16):.2f} CPU ms, fp32 {gram_cpu_ms(torch.float32):.2f} CPU ms")
     print(muon_precision(spec.training.muon_precision)[1])
     emitted = package.Model().train()
     state = {k: v.detach().clone() for k, v in emitted.state_dict().items()}

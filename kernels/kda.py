@@ -482,17 +482,17 @@ def kda_chunk_fwd(
     scale: float | None = None,
     initial_state_BHKV: Tensor | None = None,
     chunk_size: int = 64,
-) -> tuple[Tensor, Tensor, ChunkSaved]:
+) -> tuple[Tensor, Tensor, ChunkSaved | ChunkStates]:
     """Chunkwise-parallel KDA (UT transform): (o_BTHV in v's dtype, final state, what the backward needs).
 
     Per chunk (C tokens, Gamma = exp of the in-chunk cumulative log decay G):
       X = [W | U] = (I + Diag(beta) A_kk)^-1 Diag(beta) [Gamma*K | V]   (A_kk strictly lower)
       pseudo-values V' = U - W S;  O = (Gamma*Q) S + A_qk V';  S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V'.
     Everything that does not depend on the carried state is computed for many chunks at once; the chunk
-    loop is one matmul-add per chunk, S <- (Diag(gamma_C) - Kc^T W) S + Kc^T U. When ChunkSaved is small
-    (`keeps_everything`) all chunks go at once and it is kept; else the chunks go block by block
-    (`_block_chunks`) in this thread's Workspace and ChunkStates is kept, so that only o, the final state,
-    M and S are new memory and the time is linear in T. T is zero-padded to a multiple of C inside (padded
+    loop is one matmul-add per chunk, S <- (Diag(gamma_C) - Kc^T W) S + Kc^T U. A sequence of one block
+    (`keeps_everything`) goes at once and keeps ChunkSaved; a longer one goes block by block (`_block_chunks`)
+    in this thread's Workspace and keeps ChunkStates, so that only o, the final state, M and S are new
+    memory and the time is linear in T. T is zero-padded to a multiple of C inside (padded
     tokens have k = 0, g = 0, so they leave the state alone). Not differentiable by autograd: the op
     k3::kda_chunk pairs it with `kda_chunk_bwd`.
     """
