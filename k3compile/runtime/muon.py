@@ -116,14 +116,17 @@ def newton_schulz(
     """
     a, b, c = coefficients
     tall = g.size(-2) > g.size(-1)
-    x = g.to(dtype).reshape(-1, *g.shape[-2:])
+    x = g.to(dtype)
+    if x.ndim > 3:
+        x = x.flatten(0, -3)
+    addmm = torch.addmm if x.ndim == 2 else torch.baddbmm  # one matrix: torch.optim.Muon's 2-D ops (and faster)
     if tall:
         x = x.mT
-    x = (x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)).contiguous()
+    x = (x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)).contiguous()  # keeps g
     for _ in range(steps):
         gram = x @ x.mT
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.baddbmm(x, poly, x, beta=a)
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)
+        x = addmm(x, poly, x, beta=a)
     return (x.mT if tall else x).reshape(g.shape)
 
 
@@ -370,14 +373,14 @@ class PerHeadMuon(torch.optim.Optimizer):
             if dtype == torch.bfloat16:
                 # torch.optim.Muon's numbers, bit for bit: one matrix at a time (where oneDNN runs bf16 matmuls, a
                 # batched one rounds about 1% of its entries one ulp away from the 2-D ones torch.optim.Muon takes)
-                runs = [[(p[i : i + 1], u[i : i + 1], alpha)] for p, u, alpha in items for i in range(u.shape[0])]
-            else:
-                runs = [items]
-            for run in runs:
-                stacked = torch.cat([u for _, u, _ in run]) if len(run) > 1 else run[0][1]
-                ortho = newton_schulz(stacked, coefficients, steps, eps, dtype)
-                for (p_blk, _, alpha), o in zip(run, ortho.split([u.shape[0] for _, u, _ in run])):
-                    p_blk.add_(o, alpha=alpha)
+                for p_blk, u_blk, alpha in items:
+                    for p_mat, u_mat in zip(p_blk, u_blk):
+                        p_mat.add_(newton_schulz(u_mat, coefficients, steps, eps, dtype), alpha=alpha)
+                continue
+            stacked = torch.cat([u for _, u, _ in items]) if len(items) > 1 else items[0][1]
+            ortho = newton_schulz(stacked, coefficients, steps, eps, dtype)
+            for (p_blk, _, alpha), o in zip(items, ortho.split([u.shape[0] for _, u, _ in items])):
+                p_blk.add_(o, alpha=alpha)
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []
