@@ -58,21 +58,24 @@ def short_conv_bwd_ref(
     dtype = torch.float64 if x_BTC.dtype == torch.float64 else torch.float32
     B, T, C = x_BTC.shape
     W = weight_CW.shape[-1]
-    w_CW = weight_CW.to(dtype)
+    taps_WC = weight_CW.to(dtype).T.contiguous()  # each tap's weights contiguous over the channels
     xp = x_BTC.new_empty(B, W - 1 + T, C, dtype=dtype)
     if initial_state_BCW is None:
         xp[:, : W - 1].zero_()
     else:
         xp[:, : W - 1].copy_(initial_state_BCW.transpose(1, 2))
     xp[:, W - 1 :].copy_(x_BTC)
-    a = xp[:, W - 1 :] * w_CW[:, W - 1]
+    a = xp[:, W - 1 :] * taps_WC[W - 1]
     for w in range(W - 1):
-        a.addcmul_(xp[:, w : w + T], w_CW[:, w])
+        a.addcmul_(xp[:, w : w + T], taps_WC[w])
     da = torch.ops.aten.silu_backward(grads[0].to(dtype), a)
     dxp = torch.zeros_like(xp)
     for w in range(W):
-        dxp[:, w : w + T].addcmul_(da, w_CW[:, w])
-    dweight = torch.stack([(da * xp[:, w : w + T]).sum(dim=(0, 1)) for w in range(W)], dim=-1)
+        dxp[:, w : w + T].addcmul_(da, taps_WC[w])
+    products = da.new_empty(W, B, T, C)  # da times each tap's inputs, summed over (b, t) in one reduction
+    for w in range(W):
+        torch.mul(da, xp[:, w : w + T], out=products[w])
+    dweight = products.sum(dim=(1, 2)).T
     dxp[:, T:] += grads[1].transpose(1, 2)  # the state is xp's last W-1 positions
     dinit = None if initial_state_BCW is None else dxp[:, : W - 1].transpose(1, 2).to(initial_state_BCW.dtype)
     return [dxp[:, W - 1 :].to(x_BTC.dtype), dweight.to(weight_CW.dtype), dinit]
