@@ -8,8 +8,7 @@ bf16 matmul (`muon_precision` decides, once per run). In fp32 one step orthogona
 across all parameters (stacked experts, per-head blocks), as one batched matmul chain; bf16 goes matrix by matrix,
 because a batched bf16 matmul does not round exactly as the 2-D ones of torch.optim.Muon do (on oneDNN, about 1%
 of entries land one ulp away). AdamW groups call torch's own functional AdamW, so they match `torch.optim.AdamW`
-exactly. QK-clip (Kimi K2) rescales the heads whose max
-attention logit exceeds tau.
+exactly. QK-clip (Kimi K2) rescales the heads whose max attention logit exceeds tau.
 """
 
 from __future__ import annotations
@@ -51,7 +50,8 @@ _NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 # oneDNN's CPU ISAs from the first with a native bf16 dot product (AVX512_BF16's vdpbf16ps, or AMX) up, as
 # ONEDNN_MAX_CPU_ISA (formerly DNNL_MAX_CPU_ISA) names them. Below them oneDNN emulates bf16 matmuls through
-# conversions: 2.6x slower than fp32 at AVX512_CORE, 4.6-5.3x at AVX2 on an AVX-512 CPU, 25-45x on AVX2 CPUs.
+# conversions: 2.6x slower than fp32 at AVX512_CORE and 4.6-5.3x at AVX2 on an AVX-512 CPU, 25-45x on CPUs
+# without AVX-512 (reference kimi-k3.md).
 _ONEDNN_BF16_ISAS = frozenset({
     "ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
     "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
@@ -346,8 +346,9 @@ class PerHeadMuon(torch.optim.Optimizer):
         return loss
 
     def _muon_step(self, groups: list[dict]) -> None:
-        """Momentum and weight decay per parameter, then one batched Newton-Schulz per block shape (and
-        iteration settings) over every block of every group, then each block's learning-rate-scaled update."""
+        """Momentum and weight decay per parameter; then the Newton-Schulz iterations, in fp32 one batched chain
+        per block shape (and iteration settings) over every block of every group, in bf16 matrix by matrix; then
+        each block's learning-rate-scaled update."""
         batches: dict[tuple, list[tuple[Tensor, Tensor, float]]] = {}
         for group in groups:
             lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
