@@ -50,7 +50,6 @@ def attn_res_bwd_ref(
     c_v = (dz_SN * z_SN).mul_(r_SN.square()).div_(-D)  # coefficient of v_i
     dv = p_SN.unsqueeze(-1) * dh_ND
     dv.addcmul_(c_u.unsqueeze(-1), u).addcmul_(c_v.unsqueeze(-1), v_SND)
-    du = c_u.reshape(1, -1) @ v_SND.reshape(-1, D)
-    du = du.reshape(D)
+    du = (c_u.reshape(1, -1) @ v_SND.reshape(-1, D)).reshape(D)
     return [dv.view(sources_SBTD.shape).to(sources_SBTD.dtype), (du * w).to(query_D.dtype),
             (du * q).to(norm_weight_D.dtype)]
