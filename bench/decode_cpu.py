@@ -11,7 +11,8 @@ to N - steps - 1 tokens, then decoding one untimed warm-up step and `--steps` ti
 timed steps attend over the last contexts before N and the cache ends holding exactly N tokens;
 its bytes are read there (`DecodeCache.nbytes()`: KDA state vs MLA latents). Tokens/s is the
 inverse of the fastest step: on a machine shared with other jobs, slower steps measure their load,
-not the decoder (the work of every step at one point is the same). One torch thread by default: a one-token step's ops are too small to split, and on a busy 2-core machine
+not the decoder (the work of every step at one point is the same); CPU ms/token is the fastest step's
+process CPU time (all threads). The header names the CPU capability. One torch thread by default: a one-token step's ops are too small to split, and on a busy 2-core machine
 extra threads mostly wait on each other (k3-tiny: 48 ms a step on 1 thread, 0.1-0.7 s on 2).
 
 Filling the cache: `--fill prefill` (default) prefills random bytes through the model in
@@ -89,30 +90,34 @@ def cache_bytes_by_context(decoder: Decoder, contexts: list[int], chunk: int = 1
 
 
 @torch.no_grad()
-def decode_from(decoder: Decoder, cache: DecodeCache, steps: int) -> tuple[float, DecodeCache]:
-    """(fastest of `steps` decode steps after one untimed warm-up step, in seconds; the final cache)."""
+def decode_from(decoder: Decoder, cache: DecodeCache, steps: int) -> tuple[float, float, DecodeCache]:
+    """(fastest of `steps` decode steps after one untimed warm-up step, in wall seconds; the same in process
+    CPU seconds; the final cache)."""
     token = torch.zeros(1, 1, dtype=torch.long)
     _, cache = decoder(token, cache)
-    times = []
+    walls, cpus = [], []
     for _ in range(steps):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         _, cache = decoder(token, cache)
-        times.append(time.perf_counter() - start)
-    return min(times), cache
+        cpus.append(time.process_time() - start_cpu)
+        walls.append(time.perf_counter() - start)
+    return min(walls), min(cpus), cache
 
 
 def measure(
     decoder: Decoder, contexts: list[int], steps: int, chunk: int, fill: str = "prefill", say=None
 ) -> list[dict]:
-    """One row per context N: bytes of the cache holding N tokens, decode tokens/s just before N, fill seconds."""
+    """One row per context N: bytes of the cache holding N tokens, decode tokens/s just before N (and the CPU
+    milliseconds of the fastest step), fill seconds."""
     if min(contexts) <= steps + 1:
         raise ValueError(f"contexts must exceed steps + 1 = {steps + 1}")
     filler = {"tile": tiled_caches, "prefill": grow_cache}[fill]
     rows = []
     for n, (_, cache, fill_s) in zip(sorted(contexts), filler(decoder, [n - steps - 1 for n in contexts], chunk)):
-        seconds, cache = decode_from(decoder, cache, steps)
+        seconds, cpu_seconds, cache = decode_from(decoder, cache, steps)
         assert cache.position == n
-        rows.append({"context": n, **cache.nbytes(), "decode_tok_s": 1.0 / seconds, "fill_s": fill_s})
+        rows.append({"context": n, **cache.nbytes(), "decode_tok_s": 1.0 / seconds, "decode_cpu_ms": cpu_seconds * 1e3,
+                     "fill_s": fill_s})
         if say:
             say(f"context {n}: {rows[-1]['total']:,} cache bytes, {rows[-1]['decode_tok_s']:.1f} tokens/s")
     return rows
@@ -129,18 +134,19 @@ def build_decoder(spec_path: Path, out: Path) -> Decoder:
 
 
 def machine() -> str:
-    return (f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs, "
-            f"{torch.get_num_threads()} torch threads, torch {torch.__version__}, Python {platform.python_version()}")
+    return (f"{platform.machine()} {platform.processor() or platform.system()}, {os.cpu_count()} CPUs, CPU capability "
+            f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} torch threads, torch "
+            f"{torch.__version__}, Python {platform.python_version()}")
 
 
 def render(results: dict[str, list[dict]]) -> str:
     """A Markdown table, one row per (variant, context)."""
-    lines = ["| variant | context | KDA cache bytes | MLA cache bytes | total bytes | decode tokens/s |",
-             "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| variant | context | KDA cache bytes | MLA cache bytes | total bytes | decode tokens/s | CPU ms/token |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
     for name, rows in results.items():
         for r in rows:
             lines.append(f"| {name} | {r['context']:,} | {r['kda_state']:,} | {r['mla_latent']:,} | {r['total']:,} "
-                         f"| {r['decode_tok_s']:.2f} |")
+                         f"| {r['decode_tok_s']:.2f} | {r['decode_cpu_ms']:.2f} |")
     return "\n".join(lines)
 
 
