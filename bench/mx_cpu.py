@@ -77,7 +77,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     repeats = 3 if args.tiny else args.repeats
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, median of {repeats}")
+    print(f"torch {torch.__version__}, CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+          f"{torch.get_num_threads()} threads, median of {repeats}")
     print(f"{'case':46s} {'ref ms':>8s} {'fast ms':>8s} {'x':>6s}   {'ref CPU ms':>10s} {'fast':>6s} {'x':>6s}  bits")
     with torch.no_grad():
         for name, ref_fn, fast_fn in cases(args.tiny):

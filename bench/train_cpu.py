@@ -3,6 +3,7 @@
     python bench/train_cpu.py                      # the spec's batch and seq_len, 3 timed steps each
     python bench/train_cpu.py --batch 8 --seq 128 --steps 5
     python bench/train_cpu.py --tiny               # seconds-long smoke run (batch 2 x 32, no torch.compile)
+    python bench/train_cpu.py --threads 1 --no-compile   # the steadiest CPU seconds on a shared machine
 
 A step is forward + mean next-token loss + backward + the spec's optimizer step (Per-Head Muon), exactly as
 `k3compile train` runs it, on random bytes. Rows:
@@ -11,7 +12,14 @@ A step is forward + mean next-token loss + backward + the spec's optimizer step 
             weights, no passes: experts at the spec's capacity, no quantisation;
   compiled  torch.compile of the emitted Model (compile time reported separately, not in tokens/s).
 Columns: the first (warm-up) step, then medians over --steps of forward + backward, the optimizer step and
-the whole step; tokens/s = batch * seq / median step seconds. Nothing here is asserted on.
+the whole step, each in process CPU seconds (all threads, user + system: the number to compare on a shared
+machine) and wall seconds; tokens/s = batch * seq / median wall step seconds. The header names the CPU
+capability torch dispatches to, the thread count, the CPU time of one bf16 and one fp32 Gram matmul (a
+256 x 768 Newton-Schulz step: bf16 is native where the two are close, emulated where it is 5-45x slower)
+and the precision Muon's Newton-Schulz runs in (see `training.muon_precision`). Nothing here is asserted on.
+
+To measure a CPU without native bf16 on one that has it, restrict PyTorch and oneDNN to AVX2:
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/train_cpu.py --batch 8 --seq 128
 """
 
 from __future__ import annotations
@@ -28,27 +36,41 @@ import torch.nn.functional as F
 
 import k3compile
 from k3compile.modules.model import K3Model
+from k3compile.runtime.muon import muon_precision
 from k3compile.runtime.train import make_optimizer
 from k3compile.spec.load import load_spec
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def trainer(model: torch.nn.Module, loss_fn: Callable, spec, tokens: torch.Tensor) -> Callable[[], tuple[float, float]]:
+Times = tuple[float, float, float, float]  # CPU s fwd+bwd, CPU s optimizer, wall s fwd+bwd, wall s optimizer
+
+
+def trainer(model: torch.nn.Module, loss_fn: Callable, spec, tokens: torch.Tensor) -> Callable[[], Times]:
     """One training step of `model` (loss_fn(model, tokens) -> loss) with the spec's optimizer; returns the
-    seconds of forward + backward and of the optimizer step."""
+    CPU and wall seconds of forward + backward and of the optimizer step."""
     named = list(model.named_parameters())
     opt = make_optimizer(spec, named)
 
-    def step() -> tuple[float, float]:
-        start = time.perf_counter()
+    def step() -> Times:
+        wall, cpu = time.perf_counter(), time.process_time()
         loss_fn(model, tokens).backward()
-        middle = time.perf_counter()
+        wall_mid, cpu_mid = time.perf_counter(), time.process_time()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        return middle - start, time.perf_counter() - middle
+        return cpu_mid - cpu, time.process_time() - cpu_mid, wall_mid - wall, time.perf_counter() - wall_mid
 
     return step
+
+
+def gram_cpu_ms(dtype: torch.dtype, repeats: int = 10) -> float:
+    """CPU milliseconds of one 256 x 768 Gram matmul x x^T in `dtype` (after a warm-up)."""
+    x = torch.randn(256, 768).to(dtype)
+    x @ x.T
+    start = time.process_time()
+    for _ in range(repeats):
+        x @ x.T
+    return (time.process_time() - start) / repeats * 1e3
 
 
 def emitted_loss(model, tokens):
@@ -75,10 +97,14 @@ def main() -> None:
     parser.add_argument("--seq", type=int, help="sequence length (default: the spec's training.seq_len)")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per row after one warm-up (default 3)")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile row")
+    parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice); on a shared "
+                        "machine 1 thread gives the steadiest CPU seconds (idle threads spin-waiting count too)")
     parser.add_argument("--tiny", action="store_true", help="batch 2 x 32, 2 steps, no torch.compile")
     args = parser.parse_args()
     if args.tiny:
         args.batch, args.seq, args.steps, args.no_compile = args.batch or 2, args.seq or 32, 2, True
+    if args.threads:
+        torch.set_num_threads(args.threads)
     spec = load_spec(args.spec)
     batch, seq = args.batch or spec.training.batch_size, args.seq or spec.training.seq_len
     with tempfile.TemporaryDirectory() as tmp:
@@ -97,7 +123,12 @@ def main() -> None:
 def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> None:
     torch.manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (batch, seq))
-    print(f"{spec.name}: batch {batch} x seq {seq} = {batch * seq} tokens/step, {torch.get_num_threads()} threads")
+    print(
+        f"{spec.name}: batch {batch} x seq {seq} = {batch * seq} tokens/step; CPU capability "
+        f"{torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, torch {torch.__version__}"
+    )
+    print(f"256 x 768 Gram matmul: bf16 {gram_cpu_ms(torch.bfloat16):.2f} CPU ms, fp32 {gram_cpu_ms(torch.float32):.2f} CPU ms")
+    print(muon_precision(spec.training.muon_precision)[1])
     emitted = package.Model().train()
     state = {k: v.detach().clone() for k, v in emitted.state_dict().items()}
     rows: list[tuple[str, Callable[[], Callable[[], None]]]] = [
@@ -112,15 +143,19 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
             return trainer(torch.compile(model), emitted_loss, spec, tokens)
 
         rows.append(("compiled", compiled))
-    print(f"{'row':<10} {'first step s':>13} {'fwd+bwd s':>10} {'optim s':>8} {'step s':>7} {'tokens/s':>9}")
+    print(f"{'':<10} {'first step':>10}  {'CPU seconds (median)':^26}  {'wall seconds (median)':^26}")
+    print(f"{'row':<10} {'CPU s':>10}  {'fwd+bwd':>8} {'optim':>8} {'step':>8}  {'fwd+bwd':>8} {'optim':>8} "
+          f"{'step':>8}  {'tokens/s':>8}")
     for name, make in rows:
         step = make()
-        first = sum(step())  # warm-up (for compiled: includes compilation)
+        first = step()  # warm-up (for compiled: includes compilation)
         times = [step() for _ in range(steps)]
-        model_s, optim_s = statistics.median(t[0] for t in times), statistics.median(t[1] for t in times)
-        total = statistics.median(sum(t) for t in times)
+        med = [statistics.median(t[i] for t in times) for i in range(4)]
+        cpu_total = statistics.median(t[0] + t[1] for t in times)
+        wall_total = statistics.median(t[2] + t[3] for t in times)
         print(
-            f"{name:<10} {first:>13.2f} {model_s:>10.2f} {optim_s:>8.2f} {total:>7.2f} {batch * seq / total:>9.0f}",
+            f"{name:<10} {first[0] + first[1]:>10.2f}  {med[0]:>8.2f} {med[1]:>8.2f} {cpu_total:>8.2f}  "
+            f"{med[2]:>8.2f} {med[3]:>8.2f} {wall_total:>8.2f}  {batch * seq / wall_total:>8.0f}",
             flush=True,
         )
 

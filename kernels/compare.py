@@ -1,4 +1,4 @@
-"""How kernel outputs are compared with their references: relative RMS error, in float64.
+"""How kernel outputs are compared with their references: relative RMS error, in float64; backwards with autograd.
 
 Used by the kernel tests and by bench/gpu.py, so a tolerance means the same thing in both.
 """
@@ -41,3 +41,14 @@ def max_error(got, want) -> float:
         else:
             worst = max(worst, rel_rms(a, b))
     return worst
+
+
+def autograd_grads(fn, args, cotangents) -> list[Tensor | None]:
+    """torch.autograd.grad of `fn(*args)` with these cotangents, w.r.t. the floating-point tensors in args (None
+    elsewhere): what a hand-written backward of the reference `fn` is compared with."""
+    leaves = [a.detach().clone().requires_grad_() if isinstance(a, Tensor) and a.is_floating_point() else a
+              for a in args]
+    outs = flat_tensors(fn(*leaves))
+    wrt = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
+    got = iter(torch.autograd.grad(outs, wrt, cotangents[: len(outs)], allow_unused=True))
+    return [next(got) if isinstance(leaf, Tensor) and leaf.requires_grad else None for leaf in leaves]

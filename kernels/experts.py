@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3compile.kernels.activations import situ_glu_ref, swiglu_ref
+from k3compile.kernels.activations import glu_grads, situ_glu_ref, swiglu_ref
 from k3compile.kernels.mx import mx_dequantize_fast
 from k3compile.kernels.norms import as_dtype, upcast, upcast_dtype
 
@@ -54,6 +54,34 @@ def expert_glu_ref(
 def expert_matmul_ref(x_ECI: Tensor, w_EwI: Tensor) -> Tensor:
     """x @ w^T per expert: [E, C, I] x [E, w, I] -> [E, C, w], fp32 accumulation."""
     return as_dtype(_matmul_t(upcast(x_ECI), upcast(w_EwI)), x_ECI.dtype)
+
+
+def _batched(t: Tensor) -> Tensor:
+    """[..., R, K] upcast, with the leading (expert) dims folded into one: [E, R, K]."""
+    return upcast(t).reshape(-1, *t.shape[-2:])
+
+
+def expert_glu_bwd_ref(
+    grads: list[Tensor], x_ECw: Tensor, w_gate_EIw: Tensor, w_up_EIw: Tensor, kind: str, beta1: float, beta2: float
+) -> list[Tensor]:
+    """[dx, dw_gate, dw_up] of `expert_glu_ref` for grads = [dy], in fp32 like the forward.
+
+    The gate/up projections are recomputed (the op saves only its inputs), then per expert
+    dx = dgate W_gate + dup W_up, dW_gate = dgate^T x, dW_up = dup^T x, with (dgate, dup) from `glu_grads`.
+    """
+    check_glu_kind(kind)
+    x, wg, wu = _batched(x_ECw), _batched(w_gate_EIw), _batched(w_up_EIw)
+    dgate, dup = glu_grads(grads[0].reshape(*x.shape[:-1], -1), x @ wg.mT, x @ wu.mT, kind, beta1, beta2)
+    dx = torch.baddbmm(dgate @ wg, dup, wu)
+    return [dx.view(x_ECw.shape).to(x_ECw.dtype), (dgate.mT @ x).view(w_gate_EIw.shape).to(w_gate_EIw.dtype),
+            (dup.mT @ x).view(w_up_EIw.shape).to(w_up_EIw.dtype)]
+
+
+def expert_matmul_bwd_ref(grads: list[Tensor], x_ECI: Tensor, w_EwI: Tensor) -> list[Tensor]:
+    """[dx, dw] of `expert_matmul_ref` for grads = [dy]: dx = dy w, dw = dy^T x per expert, in fp32."""
+    x, w = _batched(x_ECI), _batched(w_EwI)
+    dy = upcast(grads[0]).reshape(*x.shape[:-1], -1)
+    return [(dy @ w).view(x_ECI.shape).to(x_ECI.dtype), (dy.mT @ x).view(w_EwI.shape).to(w_EwI.dtype)]
 
 
 def mx_expert_glu_ref(

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from k3compile.kernels.activations import situ_glu_ref, swiglu_ref
+from k3compile.kernels.activations import glu_grads, situ_glu_ref, swiglu_ref
 from k3compile.kernels.moe import route_ref
 
 
@@ -26,6 +26,23 @@ def linear_glu_ref(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: fl
     if kind == "swiglu":
         return swiglu_ref(gate, up)
     raise ValueError(f"linear_glu kind must be situ_glu or swiglu, got {kind!r}")
+
+
+def linear_glu_bwd_ref(
+    grads: list[Tensor], x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float, beta2: float
+) -> list[Tensor]:
+    """[dx, dw_gate, dw_up] of `linear_glu_ref` for grads = [dy].
+
+    The projections are recomputed (the op saves only its inputs); the GLU's gradients are taken in fp32 and
+    rounded to the projections' dtype, where the matmuls run, as autograd of the composition would.
+    """
+    if kind not in ("situ_glu", "swiglu"):
+        raise ValueError(f"linear_glu kind must be situ_glu or swiglu, got {kind!r}")
+    x2 = x.reshape(-1, x.shape[-1])
+    gate, up = F.linear(x2, w_gate), F.linear(x2, w_up)
+    dgate, dup = (d.to(gate.dtype) for d in glu_grads(grads[0].reshape(gate.shape), gate, up, kind, beta1, beta2))
+    dx = torch.addmm(dgate @ w_gate, dup, w_up)
+    return [dx.view(x.shape), dgate.T @ x2, dup.T @ x2]
 
 
 def linear_route_ref(

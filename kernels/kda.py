@@ -8,13 +8,18 @@ The recurrence per head (reference section 2), with S decayed first and then cor
 Three independent forms live here: `kda_naive` (the literal matrix recurrence, float64-capable, for tests),
 `kda_recurrent_ref` (token-by-token in fp32, built on the decode step `kda_step_ref`) and `kda_chunk_ref`
 (the chunkwise-parallel UT-transform form used for training and prefill). The chunked form comes as a
-forward that keeps what its backward needs (`kda_chunk_fwd`) and a hand-derived backward (`kda_chunk_bwd`),
-so a training step runs the forward once. Decays and states are fp32 (bf16 rounds a decay of 0.998 to 1.0;
-float64 inputs stay float64, for gradchecks); outputs take v's dtype.
+forward that keeps the costly part of what its backward needs (`kda_chunk_fwd`) and a hand-derived backward
+(`kda_chunk_bwd`) that recomputes the rest, in parallel over chunks. The forward runs block by block of
+chunks with its intermediates in a per-thread `Workspace`, so its time is linear in T and a long sequence
+maps no fresh memory for them. Decays and states are fp32 (bf16 rounds a decay of 0.998 to 1.0; float64
+inputs stay float64, for gradchecks); outputs take v's dtype.
 """
 
 from __future__ import annotations
 
+import math
+import threading
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -161,7 +166,9 @@ _BASE_G_FLOOR = {torch.float32: -18.0, torch.float64: -170.0}
 
 
 class ChunkSaved(NamedTuple):
-    """What the chunked forward keeps for its backward: chunk-major, in the compute dtype, N = ceil(T / C)."""
+    """Every intermediate of the chunked forward its backward reads: chunk-major, in the compute dtype,
+    N = ceil(T / C). Kept whole when the sequence is one block (`keeps_everything`: a training step then runs
+    the forward once); a longer one keeps ChunkStates, and the backward recomputes the rest (`_recompute`)."""
 
     q: Tensor  # [N, B, H, C, K], zero-padded to N*C tokens
     k: Tensor  # [N, B, H, C, K]
@@ -176,17 +183,95 @@ class ChunkSaved(NamedTuple):
     S: Tensor  # [N, B, H, K, V]: the state entering each chunk
 
 
+class ChunkStates(NamedTuple):
+    """What the chunked forward keeps of a sequence longer than a block: the part of ChunkSaved that is
+    sequential (S) or costly to recompute (M). The backward recomputes the rest from the inputs, in parallel
+    over chunks. Freshly mapped memory costs the kernel about 0.4 ms per MiB to fault in and zero: keeping
+    ChunkSaved whole at T = 16384 cost as much system time as the computation's user time."""
+
+    M: Tensor  # [N, B, H, C, C]
+    S: Tensor  # [N, B, H, K, V]
+
+
+# Chunk-heads per block of the forward (B * H * chunks): big enough that each batched matmul amortises its
+# call, small enough that a block's intermediates (about 40 of them, 1 MiB each at C = K = V = 64) stay in
+# the caches and the workspace stays small.
+_BLOCK_CHUNK_HEADS = 64
+
+
+def _block_chunks(B: int, H: int, N: int) -> int:
+    """Chunks per block of the forward."""
+    return max(1, min(N, _BLOCK_CHUNK_HEADS // (B * H)))
+
+
 def _n_levels(C: int) -> int:
     """Number of halving levels above the base blocks (blocks of 16, 32, ..., C)."""
     return (C // min(C, _BASE)).bit_length() - 1
 
 
-def chunk_saved_shapes(B: int, T: int, H: int, K: int, V: int, chunk_size: int) -> list[tuple[int, ...]]:
-    """Shapes of the ChunkSaved fields, in order (for the op's fake impl)."""
-    C = chunk_size
+def _all_shapes(B: int, T: int, H: int, K: int, V: int, C: int) -> list[tuple[int, ...]]:
+    """Shapes of the ChunkSaved fields, in order."""
     lead = (-(-T // C), B, H)
     return [(*lead, C, K), (*lead, C, K), (*lead, C, V), (*lead, C, 1), (4 + _n_levels(C), *lead, C, K),
             (2, *lead, C, C), (*lead, C, C), (*lead, C, K + V), (*lead, C, V), (*lead, K, K), (*lead, K, V)]
+
+
+def keeps_everything(B: int, T: int, H: int, chunk_size: int) -> bool:
+    """Whether the forward keeps ChunkSaved whole (else ChunkStates): when the sequence is one block."""
+    N = -(-T // chunk_size)
+    return _block_chunks(B, H, N) == N
+
+
+def chunk_saved_shapes(B: int, T: int, H: int, K: int, V: int, chunk_size: int) -> list[tuple[int, ...]]:
+    """Shapes of what the forward keeps, in order (for the op's fake impl): ChunkSaved's or ChunkStates'."""
+    shapes = _all_shapes(B, T, H, K, V, chunk_size)
+    return shapes if keeps_everything(B, T, H, chunk_size) else [shapes[6], shapes[10]]
+
+
+def chunk_saved(tensors: Sequence[Tensor]) -> ChunkSaved | ChunkStates:
+    """The forward's saved tensors (as the op returns them) as ChunkSaved or ChunkStates."""
+    return (ChunkSaved if len(tensors) == len(ChunkSaved._fields) else ChunkStates)(*tensors)
+
+
+class _Fresh:
+    """Allocates every intermediate anew: for the backward, whose intermediates live until it returns."""
+
+    @staticmethod
+    def empty(name: str, shape: Sequence[int], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        return torch.empty(shape, dtype=dtype or like.dtype, device=like.device)
+
+
+class Workspace:
+    """Buffers a long sequence's forward intermediates live in, kept from block to block and from call to call.
+
+    The sequence is cut into blocks of chunks (`_block_chunks`), and every block reuses the same buffers:
+    their size depends on B, H, K, V and the chunk size, not on T, and no call maps (and has the kernel zero)
+    fresh memory for them. One flat buffer per (name, dtype, device), grown when a call needs more; one
+    Workspace per thread.
+    """
+
+    def __init__(self) -> None:
+        self._flat: dict[tuple, Tensor] = {}
+
+    def empty(self, name: str, shape: Sequence[int], like: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+        """A contiguous tensor of `shape` on `like`'s device, in `dtype` (default `like`'s), valid until `name`
+        is asked for again."""
+        n = math.prod(shape)
+        key = (name, dtype or like.dtype, like.device)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < n:
+            flat = self._flat[key] = torch.empty(n, dtype=key[1], device=like.device)
+        return flat[:n].view(shape)
+
+
+_THREAD = threading.local()
+
+
+def _workspace() -> Workspace:
+    """This thread's Workspace."""
+    if not hasattr(_THREAD, "workspace"):
+        _THREAD.workspace = Workspace()
+    return _THREAD.workspace
 
 
 def _flat(x: Tensor) -> Tensor:
@@ -194,11 +279,13 @@ def _flat(x: Tensor) -> Tensor:
     return x.flatten(0, -3)
 
 
-def _to_chunks(x_BTHX: Tensor, C: int, dtype: torch.dtype) -> Tensor:
-    """[B, T, H, X] -> chunk-major [N, B, H, C, X] in dtype, zero-padded to N*C tokens, in one strided copy."""
+def _to_chunks(x_BTHX: Tensor, C: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """[B, T, H, X] -> chunk-major [N, B, H, C, X] in dtype, zero-padded to N*C tokens, in one strided copy
+    (into `out` when given)."""
     B, T, H, X = x_BTHX.shape
     N, full = -(-T // C), T // C
-    out = torch.empty(N, B, H, C, X, dtype=dtype, device=x_BTHX.device)
+    if out is None:
+        out = torch.empty(N, B, H, C, X, dtype=dtype, device=x_BTHX.device)
     dst = out.permute(1, 0, 3, 2, 4)  # [B, N, C, H, X]
     if full:
         dst[:, :full].copy_(x_BTHX[:, : full * C].unflatten(1, (full, C)))
@@ -208,11 +295,13 @@ def _to_chunks(x_BTHX: Tensor, C: int, dtype: torch.dtype) -> Tensor:
     return out
 
 
-def _from_chunks(x_NBHCX: Tensor, T: int, dtype: torch.dtype) -> Tensor:
-    """Chunk-major [N, B, H, C, X] -> contiguous [B, T, H, X] in dtype (padding dropped), in one strided copy."""
+def _from_chunks(x_NBHCX: Tensor, T: int, dtype: torch.dtype, out: Tensor | None = None) -> Tensor:
+    """Chunk-major [N, B, H, C, X] -> [B, T, H, X] in dtype (padding dropped), in one strided copy (into `out`,
+    a [B, T, H, X] view, when given; else a new contiguous tensor)."""
     N, B, H, C, X = x_NBHCX.shape
     full = T // C
-    out = torch.empty(B, T, H, X, dtype=dtype, device=x_NBHCX.device)
+    if out is None:
+        out = torch.empty(B, T, H, X, dtype=dtype, device=x_NBHCX.device)
     src = x_NBHCX.permute(1, 0, 3, 2, 4)  # [B, N, C, H, X]
     if full:
         out[:, : full * C].unflatten(1, (full, C)).copy_(src[:, :full])
@@ -233,7 +322,7 @@ def _diag_blocks(A: Tensor, b: int) -> Tensor:
     return A.unflatten(-1, (n, b)).unflatten(-3, (n, b)).diagonal(dim1=-4, dim2=-2).movedim(-1, -3)
 
 
-def _decay_factors(g2: Tensor) -> Tensor:
+def _decay_factors(g2: Tensor, ws: Workspace | _Fresh = _Fresh) -> Tensor:
     """Every decay factor of the chunked form, from the per-step log2 decay g2 [..., C, K]: [F, ..., C, K] =
     Gamma = exp(G), Gamma_{i->C} = exp(G_C - G), the base blocks' 2^D and 2^-D, then one slot per halving
     level holding its row factors (lower halves) and column factors (upper halves), see _score_pieces.
@@ -243,10 +332,11 @@ def _decay_factors(g2: Tensor) -> Tensor:
     level by level into those within blocks of 16, 32, ..., C by adding the other half's total (all terms
     share a sign), and each level takes its factors from them on the way. The base exponents, from the
     floored decays (see _BASE_G_FLOOR), are sums of at most 4 steps on either side of the block's middle.
+    The result and the big temporaries come from `ws`.
     """
     C = g2.shape[-2]
     b = min(C, _BASE)
-    F = g2.new_empty(4 + _n_levels(C), *g2.shape)
+    F = ws.empty("decay", (4 + _n_levels(C), *g2.shape), g2)
     gb = g2.unflatten(-2, (C // b, b))
     prefix, suffix = F[0].unflatten(-2, (C // b, b)), F[1].unflatten(-2, (C // b, b))
     torch.cumsum(gb, -2, out=prefix)
@@ -254,7 +344,8 @@ def _decay_factors(g2: Tensor) -> Tensor:
     for i in range(b - 2, -1, -1):
         torch.add(suffix[..., i + 1, :], gb[..., i + 1, :], out=suffix[..., i, :])
 
-    floored = g2.clamp_min(_BASE_G_FLOOR[g2.dtype] * LOG2E).unflatten(-2, (C // b, b))
+    floored = torch.clamp_min(g2, _BASE_G_FLOOR[g2.dtype] * LOG2E, out=ws.empty("floored", g2.shape, g2))
+    floored = floored.unflatten(-2, (C // b, b))
     D, m = F[2].unflatten(-2, (C // b, b)), b // 2
     D[..., m, :].copy_(floored[..., m, :])  # lower half: the steps m..i
     for i in range(m + 1, b):
@@ -298,26 +389,30 @@ def _score_pieces(F: Tensor) -> list[tuple[int, slice, slice, Tensor, Tensor, Te
     return pieces
 
 
-def _operands(q: Tensor, k: Tensor, b: int, rows: slice, cols: slice, r: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
+def _operands(
+    q: Tensor, k: Tensor, b: int, rows: slice, cols: slice, r: Tensor, c: Tensor, ws: Workspace | _Fresh = _Fresh
+) -> tuple[Tensor, Tensor]:
     """Row operand [..., n, 2 * r, K] ([q; k] rows times r per block) and column operand [..., n, c, K]."""
     n = q.shape[-2] // b
-    row_op = q.new_empty(*r.shape[:-2], 2, *r.shape[-2:])
+    row_op = ws.empty(f"row_op{b}", (*r.shape[:-2], 2, *r.shape[-2:]), q)
     torch.mul(q.unflatten(-2, (n, b))[..., rows, :], r, out=row_op[..., 0, :, :])
     torch.mul(k.unflatten(-2, (n, b))[..., rows, :], r, out=row_op[..., 1, :, :])
-    return row_op.flatten(-3, -2), k.unflatten(-2, (n, b))[..., cols, :] * c
+    col_op = torch.mul(k.unflatten(-2, (n, b))[..., cols, :], c, out=ws.empty(f"col_op{b}", c.shape, q))
+    return row_op.flatten(-3, -2), col_op
 
 
-def _intra_chunk_scores(q: Tensor, k: Tensor, F: Tensor) -> Tensor:
+def _intra_chunk_scores(q: Tensor, k: Tensor, F: Tensor, ws: Workspace | _Fresh = _Fresh) -> Tensor:
     """[A_qk, A_kk] as one [2, ..., C, C] tensor, zero above the diagonal, from q, k [..., C, K] and the
     decay factors F of _decay_factors: A_qk[i,j] = sum_d q_id k_jd exp(G_id - G_jd) for j <= i, A_kk the
-    same with k for q, for j < i. C must be a power of two."""
+    same with k for q, for j < i. C must be a power of two. The result and temporaries come from `ws`."""
     C = q.shape[-2]
-    A = q.new_zeros(2, *q.shape[:-1], C)
+    A = ws.empty("scores", (2, *q.shape[:-1], C), q).zero_()
     for b, rows, cols, r, c, mask in _score_pieces(F):
-        row_op, col_op = _operands(q, k, b, rows, cols, r, c)
-        out = (row_op @ col_op.mT).unflatten(-2, (2, -1))  # [..., n, 2, rows, cols]
-        if mask is not None:  # where, not a multiply: entries above the diagonal may overflow to inf
-            out = out.where(mask, 0.0)
+        row_op, col_op = _operands(q, k, b, rows, cols, r, c, ws)
+        out = ws.empty(f"piece{b}", (*row_op.shape[:-1], col_op.shape[-2]), q)
+        out = torch.matmul(row_op, col_op.mT, out=out).unflatten(-2, (2, -1))  # [..., n, 2, rows, cols]
+        if mask is not None:  # a fill, not a multiply: entries above the diagonal may overflow to inf
+            out.masked_fill_(~mask, 0.0)
         _diag_blocks(A, b)[..., rows, cols].copy_(out.movedim(-3, 0))
     return A
 
@@ -342,16 +437,17 @@ def _score_piece_backward(
     return row_op, d_row, col_op, d_col
 
 
-def _unit_lower_inverse(L: Tensor) -> Tensor:
+def _unit_lower_inverse(L: Tensor, out: Tensor | None = None) -> Tensor:
     """(I + L)^-1 for strictly lower-triangular L [..., C, C] (C a power of two), blockwise.
 
     8x8 diagonal blocks by the exact product (I - L)(I + L^2)(I + L^4) = sum_k (-L)^k (L^8 = 0 there);
     then blocks of 16, 32, ..., C by [[A, 0], [B, D]]^-1 = [[A^-1, 0], [-D^-1 B A^-1, D^-1]].
-    Batched matmuls only: a batched triangular solve is several times slower on CPU.
+    Batched matmuls only: a batched triangular solve is several times slower on CPU. Written into `out`
+    (shaped like L) when given.
     """
     C = L.shape[-1]
     b = min(C, _BASE)
-    M = torch.zeros_like(L)
+    M = torch.zeros_like(L) if out is None else out.zero_()
     power = _diag_blocks(L, b)
     inv = torch.eye(b, dtype=L.dtype, device=L.device) - power
     p = 2
@@ -368,6 +464,36 @@ def _unit_lower_inverse(L: Tensor) -> Tensor:
     return M
 
 
+def _chunk_scores(
+    q_BTHK: Tensor, k_BTHK: Tensor, v_BTHV: Tensor, g_BTHK: Tensor, beta_BTH: Tensor, C: int, dtype: torch.dtype,
+    ws: Workspace | _Fresh,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(q, k, v, beta, decay factors, [A_qk, A_kk]) chunk-major, for the chunks of these tokens."""
+    B, T, H, _ = q_BTHK.shape
+    q, k, v = (_to_chunks(x, C, dtype, ws.empty(name, (-(-T // C), B, H, C, x.shape[-1]), x, dtype))
+               for name, x in (("q", q_BTHK), ("k", k_BTHK), ("v", v_BTHV)))
+    beta = _to_chunks(beta_BTH[..., None], C, dtype, ws.empty("beta", (*q.shape[:-1], 1), q))
+    F = _decay_factors(_to_chunks(g_BTHK, C, dtype, ws.empty("g2", q.shape, q)).mul_(LOG2E), ws)
+    return q, k, v, beta, F, _intra_chunk_scores(q, k, F, ws)
+
+
+def _chunk_values(
+    k: Tensor, v: Tensor, beta: Tensor, F: Tensor, M: Tensor, ws: Workspace | _Fresh
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(X = [W | U], transition, inject) of these chunks, from their inverse M: see kda_chunk_fwd."""
+    K = k.shape[-1]
+    decay_in, decay_out = F[0], F[1]
+    Y = ws.empty("Y", (*k.shape[:-1], K + v.shape[-1]), k)
+    torch.mul(k, decay_in, out=Y[..., :K]).mul_(beta)
+    torch.mul(v, beta, out=Y[..., K:])
+    X = torch.matmul(M, Y, out=ws.empty("X", Y.shape, k))
+    k_out = torch.mul(k, decay_out, out=ws.empty("k_out", k.shape, k))
+    KX = torch.matmul(k_out.mT, X, out=ws.empty("KX", (*k.shape[:-2], K, Y.shape[-1]), k))  # [Kc^T W | Kc^T U]
+    transition = torch.neg(KX[..., :K], out=ws.empty("transition", (*k.shape[:-2], K, K), k))
+    transition.diagonal(dim1=-2, dim2=-1).add_(decay_in[..., -1, :])
+    return X, transition, KX[..., K:]
+
+
 def kda_chunk_fwd(
     q_BTHK: Tensor,
     k_BTHK: Tensor,
@@ -377,16 +503,19 @@ def kda_chunk_fwd(
     scale: float | None = None,
     initial_state_BHKV: Tensor | None = None,
     chunk_size: int = 64,
-) -> tuple[Tensor, Tensor, ChunkSaved]:
+) -> tuple[Tensor, Tensor, ChunkSaved | ChunkStates]:
     """Chunkwise-parallel KDA (UT transform): (o_BTHV in v's dtype, final state, what the backward needs).
 
     Per chunk (C tokens, Gamma = exp of the in-chunk cumulative log decay G):
       X = [W | U] = (I + Diag(beta) A_kk)^-1 Diag(beta) [Gamma*K | V]   (A_kk strictly lower)
       pseudo-values V' = U - W S;  O = (Gamma*Q) S + A_qk V';  S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V'.
-    Everything that does not depend on the carried state is computed for all chunks at once; the chunk
-    loop is one matmul-add per chunk, S <- (Diag(gamma_C) - Kc^T W) S + Kc^T U. T is zero-padded to a
-    multiple of C inside (padded tokens have k = 0, g = 0, so they leave the state alone). Not differentiable
-    by autograd: the op k3::kda_chunk pairs it with `kda_chunk_bwd`.
+    Everything that does not depend on the carried state is computed for many chunks at once; the chunk
+    loop is one matmul-add per chunk, S <- (Diag(gamma_C) - Kc^T W) S + Kc^T U. A sequence of one block
+    (`keeps_everything`) goes at once and keeps ChunkSaved; a longer one goes block by block (`_block_chunks`)
+    in this thread's Workspace and keeps ChunkStates, so that only o, the final state, M and S are new
+    memory and the time is linear in T. T is zero-padded to a multiple of C inside (padded
+    tokens have k = 0, g = 0, so they leave the state alone). Not differentiable by autograd: the op
+    k3::kda_chunk pairs it with `kda_chunk_bwd`.
     """
     if chunk_size < 1 or chunk_size & (chunk_size - 1):
         raise ValueError(f"chunk_size must be a power of two, got {chunk_size}")
@@ -396,47 +525,56 @@ def kda_chunk_fwd(
     C = chunk_size
     scale = K**-0.5 if scale is None else scale
     if T == 0:  # no chunk to run: no output, and the state passes through unchanged (as the recurrence)
-        saved = ChunkSaved(*(q_BTHK.new_empty(shape, dtype=dtype) for shape in chunk_saved_shapes(B, T, H, K, V, C)))
+        saved = chunk_saved([q_BTHK.new_empty(s, dtype=dtype) for s in chunk_saved_shapes(B, T, H, K, V, C)])
         return v_BTHV.new_empty(B, 0, H, V), _initial_state(q_BTHK, v_BTHV, initial_state_BHKV, dtype), saved
-    q, k, v = (_to_chunks(x, C, dtype) for x in (q_BTHK, k_BTHK, v_BTHV))
-    beta = _to_chunks(beta_BTH[..., None], C, dtype)
-    N = q.shape[0]
-
-    F = _decay_factors(_to_chunks(g_BTHK, C, dtype).mul_(LOG2E))
-    decay_in, decay_out = F[0], F[1]  # Gamma (chunk start -> token) and Gamma_{i->C} (token -> chunk end)
-    A = _intra_chunk_scores(q, k, F)
-    M = _unit_lower_inverse(beta * A[1])
-    Y = q.new_empty(N, B, H, C, K + V)
-    torch.mul(k, decay_in, out=Y[..., :K]).mul_(beta)
-    torch.mul(v, beta, out=Y[..., K:])
-    X = M @ Y
-    KX = (k * decay_out).mT @ X  # [Kc^T W | Kc^T U], [N, B, H, K, K + V]
-    transition = KX[..., :K].neg()
-    transition.diagonal(dim1=-2, dim2=-1).add_(decay_in[..., -1, :])
-    inject = KX[..., K:]
-
-    S = q.new_empty(N, B, H, K, V)
+    N = -(-T // C)
+    keep = keeps_everything(B, T, H, C)
+    ws, G = (_Fresh, N) if keep else (_workspace(), _block_chunks(B, H, N))
+    M = q_BTHK.new_empty(N, B, H, C, C, dtype=dtype)
+    S = q_BTHK.new_empty(N, B, H, K, V, dtype=dtype)
     if initial_state_BHKV is None:
         S[0].zero_()
     else:
         S[0].copy_(initial_state_BHKV)
-    for n in range(N - 1):
-        torch.baddbmm(_flat(inject[n]), _flat(transition[n]), _flat(S[n]), out=_flat(S[n + 1]))
-    S_final = torch.baddbmm(_flat(inject[-1]), _flat(transition[-1]), _flat(S[-1])).unflatten(0, (B, H))
+    o = v_BTHV.new_empty(B, T, H, V)
+    for n0 in range(0, N, G):
+        n1, t0, t1 = min(N, n0 + G), n0 * C, min(T, (n0 + G) * C)
+        q, k, v, beta, F, A = _chunk_scores(*(x[:, t0:t1] for x in (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)),
+                                            C, dtype, ws)
+        _unit_lower_inverse(torch.mul(beta, A[1], out=ws.empty("L", A[1].shape, A)), out=M[n0:n1])
+        X, transition, inject = _chunk_values(k, v, beta, F, M[n0:n1], ws)
+        for i, n in enumerate(range(n0, n1)):
+            if n + 1 < N:
+                torch.baddbmm(_flat(inject[i]), _flat(transition[i]), _flat(S[n]), out=_flat(S[n + 1]))
+            else:
+                S_final = torch.baddbmm(_flat(inject[i]), _flat(transition[i]), _flat(S[n])).unflatten(0, (B, H))
+        W, U = _flat(X[..., :K]), _flat(X[..., K:])
+        S_blk = _flat(S[n0:n1])
+        v_new = torch.baddbmm(U, W, S_blk, alpha=-1, out=ws.empty("v_new", U.shape, U))
+        q_in = torch.mul(q, F[0], out=ws.empty("q_in", q.shape, q))
+        O = torch.bmm(_flat(q_in), S_blk, out=ws.empty("O", U.shape, U))
+        O.baddbmm_(_flat(A[0]), v_new, beta=scale, alpha=scale)
+        _from_chunks(O.view(n1 - n0, B, H, C, V), t1 - t0, v_BTHV.dtype, out=o[:, t0:t1])
+    if keep:  # one block, of fresh tensors
+        return o, S_final, ChunkSaved(q, k, v, beta, F, A, M, X, v_new.view(N, B, H, C, V), transition, S)
+    return o, S_final, ChunkStates(M, S)
 
-    W, U = _flat(X[..., :K]), _flat(X[..., K:])
-    v_new = torch.baddbmm(U, W, _flat(S), alpha=-1)
-    O = _flat(q * decay_in) @ _flat(S)
-    O.baddbmm_(_flat(A[0]), v_new, beta=scale, alpha=scale)
-    o = _from_chunks(O.view(N, B, H, C, V), T, v_BTHV.dtype)
-    saved = ChunkSaved(q, k, v, beta, F, A, M, X, v_new.view(N, B, H, C, V), transition, S)
-    return o, S_final, saved
+
+def _recompute(saved: ChunkStates, q_BTHK: Tensor, k_BTHK: Tensor, v_BTHV: Tensor, g_BTHK: Tensor,
+               beta_BTH: Tensor) -> ChunkSaved:
+    """ChunkSaved for all chunks at once, from the inputs and ChunkStates (fresh memory)."""
+    M, S = saved
+    q, k, v, beta, F, A = _chunk_scores(q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH, M.shape[-1], M.dtype, _Fresh)
+    X, transition, _ = _chunk_values(k, v, beta, F, M, _Fresh)
+    K = k.shape[-1]
+    v_new = torch.baddbmm(_flat(X[..., K:]), _flat(X[..., :K]), _flat(S), alpha=-1).view(*S.shape[:-2], -1, S.shape[-1])
+    return ChunkSaved(q, k, v, beta, F, A, M, X, v_new, transition, S)
 
 
 def kda_chunk_bwd(
     do_BTHV: Tensor,
     dstate_BHKV: Tensor,
-    saved: ChunkSaved,
+    saved: ChunkSaved | ChunkStates,
     q_BTHK: Tensor,
     k_BTHK: Tensor,
     v_BTHV: Tensor,
@@ -447,20 +585,22 @@ def kda_chunk_bwd(
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor | None]:
     """Gradients (dq, dk, dv, dg, dbeta, dinitial_state or None) of `kda_chunk_fwd`, from what it saved.
 
+    From ChunkStates, the rest of ChunkSaved is recomputed first from the inputs, for all chunks at once
+    (the scores and the products with the saved inverse; not the sequential state loop).
     The state gradient runs backward through the chunks, dS_in = T^T dS_out + ((Gamma*Q) - A_qk W)^T dO,
     one matmul-add per chunk; everything else is batched over all chunks. Every decay factor is exp(+G_i)
     or exp(-G_i) times q_i or k_i, so the gradient w.r.t. G is q dq + k (dk_plus - dk_minus), with dk split
-    by the sign of the exponent it came through, and dg is its suffix sum along the chunk. The inputs are
-    read for their shapes and dtypes only; gradients come back contiguous, in the inputs' dtypes.
+    by the sign of the exponent it came through, and dg is its suffix sum along the chunk. Gradients come
+    back contiguous, in the inputs' dtypes.
     """
-    s = saved
-    N, B, H, C, K = s.q.shape
-    V = s.v.shape[-1]
-    if N == 0:  # zero tokens: the final state was the initial one, so its gradient passes straight through
+    if q_BTHK.shape[1] == 0:  # zero tokens: the final state was the initial one, so its gradient passes through
         inputs = (q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)
         empty = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in inputs]
         dstate = None if initial_state_BHKV is None else dstate_BHKV.to(initial_state_BHKV.dtype, copy=True)
         return (*empty, dstate)
+    s = saved if isinstance(saved, ChunkSaved) else _recompute(saved, q_BTHK, k_BTHK, v_BTHV, g_BTHK, beta_BTH)
+    N, B, H, C, K = s.q.shape
+    V = s.v.shape[-1]
     scale = K**-0.5 if scale is None else scale
     decay_in, decay_out = s.decay[0], s.decay[1]
     dO = _to_chunks(do_BTHV, C, s.q.dtype).mul_(scale)

@@ -67,3 +67,56 @@ def add_rms_norm_ref(x: Tensor, residual: Tensor, weight: Tensor, eps: float) ->
     """
     s = x + residual
     return rms_norm_ref(s, weight, eps), s
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Hand-written backwards, registered with the ops (k3_op(backward=...)) in place of recomputing the forward
+# under torch.func.vjp. Each takes (the output cotangents, *the op's arguments) like the Triton `_bwd`s and
+# returns one gradient per differentiable argument, in that argument's dtype. The row statistic 1/rms is
+# recomputed (one read of x); everything else is a few elementwise passes and two reductions.
+
+
+def _rms_backward(gy: Tensor, xf: Tensor, wf: Tensor, eps: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(dx, dweight, xhat = x / rms) of y = xhat * w for the cotangent gy, all [N, D] in the compute dtype.
+
+    dx = (gy w - xhat mean(gy w xhat)) / rms;  dweight = sum over rows of gy xhat.
+    """
+    D = xf.shape[-1]
+    inv_rms = torch.rsqrt(xf.pow(2).mean(dim=-1, keepdim=True) + eps)
+    xhat = xf * inv_rms
+    gy_xhat = gy * xhat
+    mean_dot = (gy_xhat @ wf).unsqueeze(-1).div_(D)  # mean(gy w xhat) per row, as one matrix-vector product
+    dx = torch.addcmul(gy * wf, xhat, mean_dot, value=-1).mul_(inv_rms)
+    return dx, gy_xhat.sum(dim=0), xhat
+
+
+def _rows(t: Tensor) -> Tensor:
+    """t upcast (fp32 at least) as [rows, last dim]."""
+    return upcast(t).reshape(-1, t.shape[-1])
+
+
+def rms_norm_bwd_ref(grads: list[Tensor], x: Tensor, weight: Tensor, eps: float) -> list[Tensor]:
+    """[dx, dweight] of `rms_norm_ref` for grads = [dy]."""
+    dx, dw, _ = _rms_backward(_rows(grads[0]), _rows(x), upcast(weight), eps)
+    return [dx.view(x.shape).to(x.dtype), dw.to(weight.dtype)]
+
+
+def l2_norm_bwd_ref(grads: list[Tensor], x: Tensor, eps: float) -> list[Tensor]:
+    """[dx] of `l2_norm_ref` for grads = [dy]: with r = 1/sqrt(sum x^2 + eps) and y = x r, dx = r (dy - y sum(dy y))."""
+    gy, xf = _rows(grads[0]), _rows(x)
+    r = torch.rsqrt(xf.pow(2).sum(dim=-1, keepdim=True) + eps)
+    y = xf * r
+    dot = (gy * y).sum(dim=-1, keepdim=True)
+    return [torch.addcmul(gy, y, dot, value=-1).mul_(r).view(x.shape).to(x.dtype)]
+
+
+def rms_norm_gate_bwd_ref(grads: list[Tensor], x: Tensor, weight: Tensor, gate: Tensor, eps: float) -> list[Tensor]:
+    """[dx, dweight, dgate] of `rms_norm_gate_ref` for grads = [dy]: RMSNorm's backward for the cotangent
+    dy sigmoid(gate), and dgate = dy RMSNorm(x) sigmoid'(gate) with sigmoid' = s (1 - s)."""
+    wf = upcast(weight)
+    s = torch.sigmoid(_rows(gate))
+    gy_s = _rows(grads[0]) * s
+    dx, dw, xhat = _rms_backward(gy_s, _rows(x), wf, eps)
+    d_s = gy_s.mul_(xhat).mul_(wf)  # dy y: the gradient w.r.t. sigmoid(gate), times s (gy_s is not needed again)
+    dgate = torch.addcmul(d_s, d_s, s, value=-1)
+    return [dx.view(x.shape).to(x.dtype), dw.to(weight.dtype), dgate.view(gate.shape).to(gate.dtype)]

@@ -60,3 +60,39 @@ def short_conv_naive(
         ys.append(F.silu((window * weight_CW).sum(-1)))
         window = window[..., 1:]
     return torch.stack(ys, dim=1), window
+
+
+def short_conv_bwd_ref(
+    grads: list[Tensor], x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor | None = None
+) -> list[Tensor | None]:
+    """[dx, dweight, d initial_state (None without one)] of `short_conv_ref` for grads = [dy, dstate], hand-derived.
+
+    Works on the history-padded input xp [B, W-1+T, C] in the tokens-major layout of x, with each tap a
+    shifted view: the pre-activation a = sum_w weight[:, w] xp[:, w : w+T] is recomputed (W passes), then
+    da = dy SiLU'(a), dxp[:, w : w+T] += weight[:, w] da and dweight[:, w] = sum over (b, t) of da xp[:, w : w+T];
+    dstate lands on the last W-1 positions of xp, which split into dx and d initial_state.
+    """
+    dtype = torch.float64 if x_BTC.dtype == torch.float64 else torch.float32
+    B, T, C = x_BTC.shape
+    W = weight_CW.shape[-1]
+    taps_WC = weight_CW.to(dtype).T.contiguous()  # each tap's weights contiguous over the channels
+    xp = x_BTC.new_empty(B, W - 1 + T, C, dtype=dtype)
+    if initial_state_BCW is None:
+        xp[:, : W - 1].zero_()
+    else:
+        xp[:, : W - 1].copy_(initial_state_BCW.transpose(1, 2))
+    xp[:, W - 1 :].copy_(x_BTC)
+    a = xp[:, W - 1 :] * taps_WC[W - 1]
+    for w in range(W - 1):
+        a.addcmul_(xp[:, w : w + T], taps_WC[w])
+    da = torch.ops.aten.silu_backward(grads[0].to(dtype), a)
+    dxp = torch.zeros_like(xp)
+    for w in range(W):
+        dxp[:, w : w + T].addcmul_(da, taps_WC[w])
+    products = da.new_empty(W, B, T, C)  # da times each tap's inputs, summed over (b, t) in one reduction
+    for w in range(W):
+        torch.mul(da, xp[:, w : w + T], out=products[w])
+    dweight = products.sum(dim=(1, 2)).T
+    dxp[:, T:] += grads[1].transpose(1, 2)  # the state is xp's last W-1 positions
+    dinit = None if initial_state_BCW is None else dxp[:, : W - 1].transpose(1, 2).to(initial_state_BCW.dtype)
+    return [dxp[:, W - 1 :].to(x_BTC.dtype), dweight.to(weight_CW.dtype), dinit]

@@ -1,4 +1,8 @@
-"""k3 activation ops: situ_glu (K3), swiglu and gelu."""
+"""k3 activation ops: situ_glu (K3), swiglu and gelu.
+
+The GLUs' backwards are hand-written (kernels.activations `*_bwd_ref`, or the Triton module's on that
+backend); gelu's recomputes its reference under torch.func.vjp.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,19 @@ from k3compile.kernels import activations as ref
 from k3compile.ops.registry import k3_op
 
 
-@k3_op("situ_glu", fake=lambda gate, up, beta1, beta2: torch.empty_like(gate), differentiable=("gate", "up"))
+@k3_op(
+    "situ_glu",
+    fake=lambda gate, up, beta1, beta2: torch.empty_like(gate),
+    differentiable=("gate", "up"),
+    backward=ref.situ_glu_bwd_ref,
+)
 def situ_glu_op(gate: Tensor, up: Tensor, beta1: float, beta2: float) -> Tensor:
     return ref.situ_glu_ref(gate, up, beta1, beta2)
 
 
-@k3_op("swiglu", fake=lambda gate, up: torch.empty_like(gate), differentiable=("gate", "up"))
+@k3_op(
+    "swiglu", fake=lambda gate, up: torch.empty_like(gate), differentiable=("gate", "up"), backward=ref.swiglu_bwd_ref
+)
 def swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
     return ref.swiglu_ref(gate, up)
 

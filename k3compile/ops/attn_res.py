@@ -1,4 +1,7 @@
-"""k3 attention-residual op: attn_res (softmax over depth sources with a learned pseudo-query)."""
+"""k3 attention-residual op: attn_res (softmax over depth sources with a learned pseudo-query).
+
+Its backward is hand-written (kernels.attn_res.attn_res_bwd_ref, or the Triton module's on that backend).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +16,12 @@ def _attn_res_fake(sources_SBTD, query_D, norm_weight_D, eps):
     return sources_SBTD.new_empty(sources_SBTD.shape[1:])
 
 
-@k3_op("attn_res", fake=_attn_res_fake, differentiable=("sources_SBTD", "query_D", "norm_weight_D"))
+@k3_op(
+    "attn_res",
+    fake=_attn_res_fake,
+    differentiable=("sources_SBTD", "query_D", "norm_weight_D"),
+    backward=ref.attn_res_bwd_ref,
+)
 def attn_res_op(sources_SBTD: Tensor, query_D: Tensor, norm_weight_D: Tensor, eps: float) -> Tensor:
     return ref.attn_res_ref(sources_SBTD, query_D, norm_weight_D, eps)
 

@@ -2,7 +2,8 @@
 
 Buffers are [..., C, w] with stacked weights [..., out, in] (leading dims: experts, or ranks x experts after
 shard_experts). The fuse pass rewrites the experts' matmuls into these ops, and into their MXFP4 forms when
-pack_mxfp4 left the weights packed, so GPU targets run one grouped Triton GEMM per projection.
+pack_mxfp4 left the weights packed, so GPU targets run one grouped Triton GEMM per projection. The
+differentiable ops' backwards are hand-written (kernels.experts `*_bwd_ref`, or moe_triton's on that backend).
 """
 
 from __future__ import annotations
@@ -22,12 +23,15 @@ def _out(x: Tensor, rows: int) -> Tensor:
     "expert_glu",
     fake=lambda x, w_gate, w_up, kind, beta1, beta2: _out(x, w_gate.shape[-2]),
     differentiable=("x", "w_gate", "w_up"),
+    backward=ref.expert_glu_bwd_ref,
 )
 def expert_glu_op(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
     return ref.expert_glu_ref(x, w_gate, w_up, kind, beta1, beta2)
 
 
-@k3_op("expert_matmul", fake=lambda x, w: _out(x, w.shape[-2]), differentiable=("x", "w"))
+@k3_op(
+    "expert_matmul", fake=lambda x, w: _out(x, w.shape[-2]), differentiable=("x", "w"), backward=ref.expert_matmul_bwd_ref
+)
 def expert_matmul_op(x: Tensor, w: Tensor) -> Tensor:
     return ref.expert_matmul_ref(x, w)
 

@@ -1,4 +1,8 @@
-"""Fused k3 ops produced by the fuse pass (references in kernels/fused.py)."""
+"""Fused k3 ops produced by the fuse pass (references in kernels/fused.py).
+
+linear_glu's backward is hand-written (kernels.fused.linear_glu_bwd_ref); linear_route's recomputes its
+reference under torch.func.vjp (or runs the Triton module's on that backend).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +17,9 @@ def _linear_glu_fake(x, w_gate, w_up, kind, beta1, beta2):
     return x.new_empty(*x.shape[:-1], w_gate.shape[0])
 
 
-@k3_op("linear_glu", fake=_linear_glu_fake, differentiable=("x", "w_gate", "w_up"))
+@k3_op(
+    "linear_glu", fake=_linear_glu_fake, differentiable=("x", "w_gate", "w_up"), backward=ref.linear_glu_bwd_ref
+)
 def linear_glu_op(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
     return ref.linear_glu_ref(x, w_gate, w_up, kind, beta1, beta2)
 

@@ -90,7 +90,7 @@ def kda_chunk_bwd_op(
     initial_state: Tensor | None,
 ) -> list[Tensor]:
     """[dq, dk, dv, dg, dbeta, dinitial_state (empty without one)], hand-derived (kernels.kda.kda_chunk_bwd)."""
-    grads = ref.kda_chunk_bwd(do, dstate, ref.ChunkSaved(*saved), q, k, v, g, beta, scale, initial_state)
+    grads = ref.kda_chunk_bwd(do, dstate, ref.chunk_saved(saved), q, k, v, g, beta, scale, initial_state)
     return [*grads[:5], q.new_empty(0) if grads[5] is None else grads[5]]
 
 

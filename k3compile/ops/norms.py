@@ -1,4 +1,8 @@
-"""k3 norm ops: rms_norm, l2_norm, and the fused rms_norm_gate / add_rms_norm the fuse pass targets."""
+"""k3 norm ops: rms_norm, l2_norm, and the fused rms_norm_gate / add_rms_norm the fuse pass targets.
+
+Each backward is hand-written (kernels/norms.py `*_bwd_ref`, or the Triton module's on that backend);
+add_rms_norm's reuses rms_norm's backward op on the saved sum.
+"""
 
 from __future__ import annotations
 
@@ -9,12 +13,17 @@ from k3compile.kernels import norms as ref
 from k3compile.ops.registry import k3_op
 
 
-@k3_op("rms_norm", fake=lambda x, weight, eps: torch.empty_like(x), differentiable=("x", "weight"))
+@k3_op(
+    "rms_norm",
+    fake=lambda x, weight, eps: torch.empty_like(x),
+    differentiable=("x", "weight"),
+    backward=ref.rms_norm_bwd_ref,
+)
 def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return ref.rms_norm_ref(x, weight, eps)
 
 
-@k3_op("l2_norm", fake=lambda x, eps: torch.empty_like(x), differentiable=("x",))
+@k3_op("l2_norm", fake=lambda x, eps: torch.empty_like(x), differentiable=("x",), backward=ref.l2_norm_bwd_ref)
 def l2_norm_op(x: Tensor, eps: float) -> Tensor:
     return ref.l2_norm_ref(x, eps)
 
@@ -23,6 +32,7 @@ def l2_norm_op(x: Tensor, eps: float) -> Tensor:
     "rms_norm_gate",
     fake=lambda x, weight, gate, eps: torch.empty_like(x),
     differentiable=("x", "weight", "gate"),
+    backward=ref.rms_norm_gate_bwd_ref,
 )
 def rms_norm_gate_op(x: Tensor, weight: Tensor, gate: Tensor, eps: float) -> Tensor:
     return ref.rms_norm_gate_ref(x, weight, gate, eps)

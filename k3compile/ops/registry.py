@@ -2,11 +2,12 @@
 
 Every op in the `k3` namespace is an opaque node to torch.fx, torch.compile and
 export, runs on the meta device through its fake impl, and is differentiable
-through a generic backward op that recomputes the PyTorch reference under
-`torch.func.vjp`. Kernels plug in below the op, never beside it: every op's schema
-ends in `str backend="auto"`, and its implementation runs the PyTorch reference or
-the Triton kernel that `k3compile.kernels.binding` names for it (see `resolve`).
-A Triton module's `<fn>_bwd`, when it has one, replaces the recompute in the backward.
+through a backward op `k3::<name>_bwd`. Kernels plug in below the op, never beside it:
+every op's schema ends in `str backend="auto"`, and its implementation runs the PyTorch
+reference or the Triton kernel that `k3compile.kernels.binding` names for it (see `resolve`).
+The backward runs, on the same backend, a Triton module's `<fn>_bwd` or the op's hand-written
+reference backward (`k3_op(backward=...)`); an op with neither recomputes its reference under
+`torch.func.vjp`.
 """
 
 from __future__ import annotations
@@ -96,14 +97,24 @@ def _as_declared(grads, like, inputs) -> list[Tensor]:
 
 
 def k3_op(
-    name: str, *, fake: Callable, differentiable: Sequence[str] = (), fake_takes_backend: bool = False
+    name: str,
+    *,
+    fake: Callable,
+    differentiable: Sequence[str] = (),
+    backward: Callable | None = None,
+    fake_takes_backend: bool = False,
 ) -> Callable:
     """Decorator registering a typed PyTorch reference as `torch.ops.k3.<name>`, with a trailing `backend` argument.
 
     `fake` computes output metadata (shapes, dtypes) from the inputs alone (and from the backend too when
     `fake_takes_backend`: an op whose outputs depend on the kernel). `differentiable` names the tensor
-    arguments that receive gradients; their gradients come from a second op `k3::<name>_bwd`.
+    arguments that receive gradients; their gradients come from a second op `k3::<name>_bwd`. `backward`,
+    the reference's hand-written backward, has the contract of a Triton `<fn>_bwd`: (the floating-point
+    output cotangents, *the op's arguments) -> one gradient (or None) per differentiable argument; without
+    it the reference backend recomputes the forward under torch.func.vjp.
     """
+    if backward is not None and not differentiable:
+        raise ValueError(f"k3::{name}: a backward needs the differentiable arguments named")
 
     def decorate(ref: Callable):
         n_params = len(inspect.signature(ref).parameters)
@@ -122,7 +133,7 @@ def k3_op(
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema)
         op.register_fake(fake_impl)
         if differentiable:
-            _register_backward(name, ref, op, list(differentiable))
+            _register_backward(name, ref, op, list(differentiable), backward)
         op.reference = ref
         return op
 
@@ -134,7 +145,7 @@ def _fill_missing(got: dict[int, Tensor], diff_idx: list[int]) -> list[Tensor]:
     return [got[i] if i in got else torch.empty(0) for i in diff_idx]
 
 
-def _register_backward(name: str, ref: Callable, op, differentiable: list[str]) -> None:
+def _register_backward(name: str, ref: Callable, op, differentiable: list[str], ref_bwd: Callable | None) -> None:
     params = list(inspect.signature(ref).parameters)
     unknown = [a for a in differentiable if a not in params]
     if unknown:
@@ -146,7 +157,7 @@ def _register_backward(name: str, ref: Callable, op, differentiable: list[str]) 
 
     def bwd_impl(grads: list[Tensor], *args, **kwargs) -> list[Tensor]:
         args, backend = _split_backend(len(params), args, kwargs)
-        kernel = binding.triton_function(name, "_bwd") if resolve(name, backend, args) == "triton" else None
+        kernel = binding.triton_function(name, "_bwd") if resolve(name, backend, args) == "triton" else ref_bwd
         if kernel is not None:
             float_grads = [g for g in grads if g.is_floating_point()]
             got = kernel(float_grads, *args)

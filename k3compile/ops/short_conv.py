@@ -1,4 +1,7 @@
-"""The short-conv op: causal depthwise conv + SiLU with a decoding state (KDA's q, k, v convs)."""
+"""The short-conv op: causal depthwise conv + SiLU with a decoding state (KDA's q, k, v convs).
+
+Its backward is hand-written (kernels.short_conv.short_conv_bwd_ref, or the Triton module's on that backend).
+"""
 
 from __future__ import annotations
 
@@ -14,7 +17,12 @@ def _short_conv_fake(x, weight, initial_state):
     return torch.empty_like(x), x.new_empty(B, C, weight.shape[-1] - 1)
 
 
-@k3_op("short_conv", fake=_short_conv_fake, differentiable=("x", "weight", "initial_state"))
+@k3_op(
+    "short_conv",
+    fake=_short_conv_fake,
+    differentiable=("x", "weight", "initial_state"),
+    backward=ref.short_conv_bwd_ref,
+)
 def short_conv_op(x: Tensor, weight: Tensor, initial_state: Tensor | None) -> tuple[Tensor, Tensor]:
     y, state = ref.short_conv_ref(x, weight, initial_state)
     return y.contiguous(), state

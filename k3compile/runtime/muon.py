@@ -2,21 +2,37 @@
 
 Muon groups reproduce `torch.optim.Muon` step for step (EMA momentum, optional Nesterov, quintic Newton-Schulz in
 bf16, decoupled weight decay, `adjust_lr_fn`), except that a matrix may be cut along its rows into blocks (heads)
-that are orthogonalised, and learning-rate-adjusted, separately. AdamW groups call torch's own functional AdamW, so
-they match `torch.optim.AdamW` exactly. QK-clip (Kimi K2) rescales the heads whose max attention logit exceeds tau.
+that are orthogonalised, and learning-rate-adjusted, separately, and that the Newton-Schulz dtype is a setting
+(`ns_dtype`): bf16 reproduces torch.optim.Muon bit for bit; fp32 is the fast one where the hardware has no native
+bf16 matmul (`muon_precision` decides, once per run). In fp32 one step orthogonalises every block of one shape,
+across all parameters (stacked experts, per-head blocks), as one batched matmul chain; bf16 goes matrix by matrix,
+because a batched bf16 matmul does not round exactly as the 2-D ones of torch.optim.Muon do (on oneDNN, about 1%
+of entries land one ulp away). AdamW groups call torch's own functional AdamW, so they match `torch.optim.AdamW`
+exactly. QK-clip (Kimi K2) rescales the heads whose max attention logit exceeds tau.
 """
 
 from __future__ import annotations
 
 import fnmatch
 import math
+import os
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
 
-__all__ = ["ADAMW_NAME_PATTERNS", "NS_COEFFICIENTS", "PerHeadMuon", "default_use_muon", "newton_schulz", "qk_clip_"]
+__all__ = [
+    "ADAMW_NAME_PATTERNS",
+    "MUON_PRECISIONS",
+    "NS_COEFFICIENTS",
+    "PerHeadMuon",
+    "default_use_muon",
+    "muon_precision",
+    "native_bf16_matmul",
+    "newton_schulz",
+    "qk_clip_",
+]
 
 # Quintic coefficients (a, b, c) of torch.optim.Muon / Keller Jordan's Muon.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
@@ -29,24 +45,89 @@ _ADJUST_LR_FNS = (None, "original", "match_rms_adamw")
 
 HeadSplit = int | tuple[int, ...]
 
+MUON_PRECISIONS = ("auto", "bf16", "fp32")
+_NS_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
-def newton_schulz(g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float) -> Tensor:
-    """Approximate the orthogonal factor U V^T of a 2-D `g` by `steps` quintic Newton-Schulz iterations in bf16.
+# oneDNN's CPU ISAs from the first with a native bf16 dot product (AVX512_BF16's vdpbf16ps, or AMX) up, as
+# ONEDNN_MAX_CPU_ISA (formerly DNNL_MAX_CPU_ISA) names them. Below them oneDNN emulates bf16 matmuls through
+# conversions: 2.6x slower than fp32 at AVX512_CORE and 4.6-5.3x at AVX2 on an AVX-512 CPU, 25-45x on CPUs
+# without AVX-512 (reference kimi-k3.md).
+_ONEDNN_BF16_ISAS = frozenset({
+    "ALL", "DEFAULT", "AVX512_CORE_BF16", "AVX512_CORE_FP16", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16",
+    "AVX10_1_512", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16", "AVX10_2_512", "AVX10_2_512_AMX_2",
+})
 
-    X <- a X + (b X X^T + c (X X^T)^2) X on the wide orientation of g after scaling it to unit Frobenius norm;
-    same op sequence as torch.optim.Muon so the numbers agree bit for bit. Returns bf16.
+
+def native_bf16_matmul(device: torch.device | str = "cpu") -> tuple[bool, str]:
+    """(whether a bf16 matmul on `device` runs in native bf16 instructions, why, in a few words).
+
+    CUDA: the GPU's own bf16 support (Ampere and later), emulation not counted. CPU: PyTorch hands bf16
+    matmuls to oneDNN, so they are native when the CPU has AVX512_BF16 or AMX, oneDNN is available and
+    enabled, and ONEDNN_MAX_CPU_ISA does not restrict it below those ISAs. ATEN_CPU_CAPABILITY (what
+    `torch.backends.cpu.get_cpu_capability()` reports) only picks ATen's own vectorised kernels: at AVX2 on a
+    CPU with AVX512_BF16, oneDNN's bf16 Newton-Schulz stays 2.6x faster than fp32, so it does not count.
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        if torch.cuda.is_bf16_supported(including_emulation=False):
+            return True, f"{name} has native bf16"
+        return False, f"{name} emulates bf16"
+    if device.type != "cpu":
+        return False, f"no native bf16 matmul known on {device.type}"
+    capability = torch.backends.cpu.get_cpu_capability()
+    amx = torch.cpu._is_amx_tile_supported()
+    if not (amx or torch.cpu._is_avx512_bf16_supported()):
+        return False, f"CPU capability {capability}, no AVX512_BF16 or AMX"
+    isa = os.environ.get("ONEDNN_MAX_CPU_ISA") or os.environ.get("DNNL_MAX_CPU_ISA")
+    if isa and isa.upper() not in _ONEDNN_BF16_ISAS:
+        return False, f"CPU capability {capability}, oneDNN restricted to {isa} by ONEDNN_MAX_CPU_ISA"
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False, f"CPU capability {capability}, oneDNN unavailable or disabled"
+    if not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return False, f"CPU capability {capability}, oneDNN finds no bf16 support"
+    return True, f"CPU capability {capability}, oneDNN with {'AMX' if amx else 'AVX512_BF16'}"
+
+
+def muon_precision(setting: str, device: torch.device | str = "cpu") -> tuple[torch.dtype, str]:
+    """(the Newton-Schulz dtype for `setting` ("auto", "bf16" or "fp32") on `device`, a line saying why).
+
+    "auto" takes bf16 where bf16 matmul is native (`native_bf16_matmul`), fp32 elsewhere; the other two force
+    their dtype. Decided once per run: the answer depends on the machine and environment only.
+    """
+    if setting not in MUON_PRECISIONS:
+        raise ValueError(f"muon precision must be one of {MUON_PRECISIONS}, got {setting!r}")
+    if setting != "auto":
+        return _NS_DTYPES[setting], f"Muon's Newton-Schulz in {setting} (training.muon_precision)"
+    native, why = native_bf16_matmul(device)
+    chosen = "bf16" if native else "fp32"
+    return _NS_DTYPES[chosen], f"Muon's Newton-Schulz in {chosen} (auto: {why})"
+
+
+def newton_schulz(
+    g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype = torch.bfloat16
+) -> Tensor:
+    """Approximate the orthogonal factor U V^T of each matrix in `g` [..., A, B] by `steps` quintic Newton-Schulz
+    iterations in `dtype`, all matrices at once (one batched matmul chain).
+
+    X <- a X + (b X X^T + c (X X^T)^2) X on the wide orientation of each matrix after scaling it to unit
+    Frobenius norm: the op sequence of torch.optim.Muon, whose numbers it matches bit for bit on one bf16 matrix
+    (batches of several agree to rounding). Returns `dtype`, shaped like g.
     """
     a, b, c = coefficients
-    tall = g.size(0) > g.size(1)
-    x = g.bfloat16()
+    tall = g.size(-2) > g.size(-1)
+    x = g.to(dtype)
+    if x.ndim > 3:
+        x = x.flatten(0, -3)
+    addmm = torch.addmm if x.ndim == 2 else torch.baddbmm  # one matrix: torch.optim.Muon's 2-D ops (and faster)
     if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # out of place: never touch a bf16 momentum buffer
+        x = x.mT
+    x = (x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)).contiguous()  # keeps g
     for _ in range(steps):
-        gram = x @ x.T
-        poly = torch.addmm(gram, gram, gram, beta=b, alpha=c)
-        x = torch.addmm(x, poly, x, beta=a)
-    return x.T if tall else x
+        gram = x @ x.mT
+        poly = addmm(gram, gram, gram, beta=b, alpha=c)
+        x = addmm(x, poly, x, beta=a)
+    return (x.mT if tall else x).reshape(g.shape)
 
 
 def _adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -67,10 +148,12 @@ def _block_sizes(rows: int, split: HeadSplit) -> list[int]:
     return list(split)
 
 
-def _blocks(t: Tensor, sizes: list[int]) -> list[Tensor]:
-    """Views of every head block of every matrix in `t` ([..., rows, cols]; leading dims stack matrices)."""
+def _block_stacks(t: Tensor, sizes: list[int]) -> list[Tensor]:
+    """Views [M, size, cols] of the blocks of `t` ([..., rows, cols]; leading dims stack M matrices): one view
+    per block position, holding that block of every matrix (stacked experts' head blocks line up)."""
     mats = t.unsqueeze(0) if t.ndim == 2 else t.flatten(0, -3)
-    return [blk for mat in mats for blk in torch.split(mat, sizes, dim=0)]
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [mats[:, start : start + size] for start, size in zip(starts, sizes)]
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -111,8 +194,9 @@ class PerHeadMuon(torch.optim.Optimizer):
     """Muon with per-head blocks for Q/K/V projections, AdamW for non-matrix parameters, optional QK-clip.
 
     Each param group carries `use_muon`. Muon groups: lr, weight_decay, momentum, nesterov, ns_coefficients, eps,
-    ns_steps, adjust_lr_fn and `head_split` (int H: cut dim -2 into H equal blocks; tuple: block row counts; 1 =
-    whole matrix). AdamW groups: lr, betas, eps, weight_decay. A plain tensor list is routed by ndim (>= 2: Muon);
+    ns_steps, ns_dtype (the Newton-Schulz dtype: bf16 as torch.optim.Muon, or fp32, see `muon_precision`),
+    adjust_lr_fn and `head_split` (int H: cut dim -2 into H equal blocks; tuple: block row counts; 1 = whole
+    matrix). AdamW groups: lr, betas, eps, weight_decay. A plain tensor list is routed by ndim (>= 2: Muon);
     use `from_named_parameters` for name-based routing and head splits. The default adjust_lr_fn is
     "match_rms_adamw", so one learning rate serves both kinds (adamw_lr defaults to lr).
     """
@@ -129,6 +213,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         ns_steps: int = 5,
         adjust_lr_fn: str | None = "match_rms_adamw",
         *,
+        ns_dtype: torch.dtype = torch.bfloat16,
         adamw_lr: float | None = None,
         betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -141,11 +226,13 @@ class PerHeadMuon(torch.optim.Optimizer):
             raise ValueError(f"adjust_lr_fn must be one of {_ADJUST_LR_FNS}, got {adjust_lr_fn!r}")
         if not 0 <= ns_steps < 100:
             raise ValueError("ns_steps must be in [0, 100)")
+        if ns_dtype not in _NS_DTYPES.values():
+            raise ValueError(f"ns_dtype must be one of {list(_NS_DTYPES.values())}, got {ns_dtype}")
         self._kind_defaults = {
             True: dict(
                 lr=lr, weight_decay=weight_decay, momentum=momentum, nesterov=nesterov,
-                ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, adjust_lr_fn=adjust_lr_fn,
-                head_split=1,
+                ns_coefficients=tuple(ns_coefficients), eps=eps, ns_steps=ns_steps, ns_dtype=ns_dtype,
+                adjust_lr_fn=adjust_lr_fn, head_split=1,
             ),
             False: dict(
                 lr=lr if adamw_lr is None else adamw_lr, betas=tuple(betas), eps=adamw_eps,
@@ -250,8 +337,10 @@ class PerHeadMuon(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        self._muon_step([g for g in self.param_groups if g["use_muon"]])
         for group in self.param_groups:
-            (self._muon_step if group["use_muon"] else self._adamw_step)(group)
+            if not group["use_muon"]:
+                self._adamw_step(group)
         if max_logits:
             self.qk_clip_(max_logits)
         return loss
@@ -263,24 +352,43 @@ class PerHeadMuon(torch.optim.Optimizer):
             return {"momentum_buffer": tuple(p.shape)}
         return {"step": (), "exp_avg": tuple(p.shape), "exp_avg_sq": tuple(p.shape)}
 
-    def _muon_step(self, group: dict) -> None:
-        lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-        for p in group["params"]:
-            if p.grad is None:
+    def _muon_step(self, groups: list[dict]) -> None:
+        """Momentum and weight decay per parameter; then the Newton-Schulz iterations, in fp32 one batched chain
+        per block shape (and iteration settings) over every block of every group, in bf16 matrix by matrix; then
+        each block's learning-rate-scaled update."""
+        batches: dict[tuple, list[tuple[Tensor, Tensor, float]]] = {}
+        for group in groups:
+            lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
+            settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"], group["ns_dtype"])
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.is_sparse or torch.is_complex(p):
+                    raise RuntimeError("Muon supports dense real parameters only")
+                grad, state = p.grad, self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(grad, 1 - mu)
+                update = grad.lerp(buf, mu) if group["nesterov"] else buf
+                p.mul_(1 - lr * wd)
+                sizes = _block_sizes(p.shape[-2], group["head_split"])
+                for p_blk, u_blk in zip(_block_stacks(p, sizes), _block_stacks(update, sizes)):
+                    rows, cols = u_blk.shape[1:]
+                    alpha = -_adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
+                    batches.setdefault((rows, cols, p.device, *settings), []).append((p_blk, u_blk, alpha))
+        for (*_, coefficients, steps, eps, dtype), items in batches.items():
+            if dtype == torch.bfloat16:
+                # torch.optim.Muon's numbers, bit for bit: one matrix at a time (where oneDNN runs bf16 matmuls, a
+                # batched one rounds about 1% of its entries one ulp away from the 2-D ones torch.optim.Muon takes)
+                for p_blk, u_blk, alpha in items:
+                    for p_mat, u_mat in zip(p_blk, u_blk):
+                        p_mat.add_(newton_schulz(u_mat, coefficients, steps, eps, dtype), alpha=alpha)
                 continue
-            if p.grad.is_sparse or torch.is_complex(p):
-                raise RuntimeError("Muon supports dense real parameters only")
-            grad, state = p.grad, self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(grad, memory_format=torch.preserve_format)
-            buf = state["momentum_buffer"]
-            buf.lerp_(grad, 1 - mu)
-            update = grad.lerp(buf, mu) if group["nesterov"] else buf
-            p.mul_(1 - lr * wd)
-            sizes = _block_sizes(p.shape[-2], group["head_split"])
-            for p_blk, u_blk in zip(_blocks(p, sizes), _blocks(update, sizes)):
-                o = newton_schulz(u_blk, group["ns_coefficients"], group["ns_steps"], group["eps"])
-                p_blk.add_(o, alpha=-_adjusted_lr(lr, group["adjust_lr_fn"], *u_blk.shape))
+            stacked = torch.cat([u for _, u, _ in items]) if len(items) > 1 else items[0][1]
+            ortho = newton_schulz(stacked, coefficients, steps, eps, dtype)
+            for (p_blk, _, alpha), o in zip(items, ortho.split([u.shape[0] for _, u, _ in items])):
+                p_blk.add_(o, alpha=alpha)
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -32,7 +32,7 @@ from k3compile.kernels.launch import interpreting
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime.balance import find_routers, restore_stats, snapshot_stats, update_balance
 from k3compile.runtime.data import VOCAB, Batches, Corpus, eval_batches, load_corpus, split, unigram_entropy
-from k3compile.runtime.muon import PerHeadMuon, default_use_muon
+from k3compile.runtime.muon import PerHeadMuon, default_use_muon, muon_precision
 from k3compile.runtime.schedule import lr_at
 from k3compile.spec.schema import MIXER_KDA, Spec
 
@@ -211,11 +211,15 @@ def head_splits(spec: Spec) -> dict[str, int]:
     return out
 
 
-def make_optimizer(spec: Spec, named: list[tuple[str, Tensor]]) -> PerHeadMuon:
+def make_optimizer(
+    spec: Spec, named: list[tuple[str, Tensor]], ns_dtype: torch.dtype | None = None
+) -> PerHeadMuon:
     """The spec's optimizer: per_head_muon (Muon, Q/K/V cut per head), muon (whole matrices) or adamw (AdamW only).
 
     Matrices routed to Muon get training.weight_decay; AdamW takes the embedding, output head, short-conv
     kernels (decayed) and every vector parameter (norm gains, decay-gate parameters, AttnRes queries; not decayed).
+    Muon's Newton-Schulz runs in `ns_dtype`, by default the one training.muon_precision picks for the parameters'
+    device (`muon_precision`).
     """
     t = spec.training
     splits = head_splits(spec) if t.optimizer == "per_head_muon" else {}
@@ -229,7 +233,9 @@ def make_optimizer(spec: Spec, named: list[tuple[str, Tensor]]) -> PerHeadMuon:
     groups = [{"params": ps, "use_muon": True, "head_split": s} for s, ps in muon.items()]
     groups += [{"params": adam_decay, "use_muon": False}] if adam_decay else []
     groups += [{"params": adam_plain, "use_muon": False, "weight_decay": 0.0}] if adam_plain else []
-    return PerHeadMuon(groups, lr=t.lr, weight_decay=t.weight_decay)
+    if ns_dtype is None:
+        ns_dtype = muon_precision(t.muon_precision, named[0][1].device)[0]
+    return PerHeadMuon(groups, lr=t.lr, weight_decay=t.weight_decay, ns_dtype=ns_dtype)
 
 
 def optimizer_layout(optimizer: PerHeadMuon, named: list[tuple[str, Tensor]]) -> dict[str, str]:
@@ -258,6 +264,7 @@ class Run:
     out: Path
     corpus: Corpus
     entropy: float
+    muon_note: str  # the Newton-Schulz precision chosen for this run, and why
 
     @property
     def checkpoints(self) -> Path:
@@ -671,17 +678,19 @@ def _setup(
             raise TrainError(f"--init-from: {e}") from None
     model.train()
     named = list(model.named_parameters())
+    ns_dtype, muon_note = muon_precision(t.muon_precision, named[0][1].device)
     return Run(
         spec=spec,
         model=model,
         named=named,
-        optimizer=make_optimizer(spec, named),
+        optimizer=make_optimizer(spec, named, ns_dtype),
         batches=Batches(train_tokens, t.batch_size, t.seq_len, t.seed),
         val=eval_batches(val_tokens, t.batch_size, t.seq_len, EVAL_BATCHES),
         routers=find_routers(model),
         out=out,
         corpus=corpus,
         entropy=unigram_entropy(train_tokens),
+        muon_note=muon_note,
     )
 
 
@@ -700,6 +709,8 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
         f"{run.spec.name}: {params / 1e6:.2f}M parameters, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
         f"warmup {t.schedule.warmup_steps}), batch {t.batch_size} x {t.seq_len}, steps {start + 1}..{steps}"
     )
+    if t.optimizer != "adamw":
+        say(run.muon_note)
     say(
         f"data: {run.corpus.source}: {len(run.corpus.data) / 1e6:.2f} MB from {run.corpus.files} file(s); "
         f"train {run.batches.tokens.numel() / 1e6:.2f} MB, validation {sum(b.numel() for b in run.val)} tokens"

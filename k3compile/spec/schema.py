@@ -325,6 +325,12 @@ class Training(_Frozen):
     )
     grad_clip: float | None = Field(default=1.0, gt=0, description="Global gradient-norm clip; null disables.")
     qk_clip_tau: float | None = Field(default=None, gt=0, description="QK-clip threshold (Kimi K2: 100); null disables.")
+    muon_precision: Literal["auto", "bf16", "fp32"] = Field(
+        default="auto",
+        description="dtype of Muon's Newton-Schulz iterations: bf16 (as torch.optim.Muon), fp32, or auto: bf16 where "
+        "the hardware multiplies bf16 natively (CUDA, CPUs with AVX512_BF16 or AMX), fp32 elsewhere (decided and "
+        "printed once per run).",
+    )
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = Field(default=0, description="Seed for init and data order.")
 
 

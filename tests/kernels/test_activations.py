@@ -96,3 +96,32 @@ def test_compile_fullgraph_forward_and_backward():
     torch.testing.assert_close(compiled, eager)
     compiled.sum().backward()
     assert g.grad is not None and u.grad is not None
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_hand_written_backwards_equal_autograd_of_the_reference(dtype, tol):
+    from k3compile.kernels import activations as ref
+    from k3compile.kernels.compare import autograd_grads, rel_rms
+
+    g = torch.Generator().manual_seed(7)
+    gate, up, dy = (torch.randn(6, 50, generator=g).mul_(6).to(dtype) for _ in range(3))
+    gate, up = gate.T.contiguous().T, up[:, ::1]  # a non-contiguous gate
+    for betas in ((4.0, 25.0), (1.0, 1.0)):  # K3's, and betas of 1 so tanh(u / b2) saturates
+        cases = [(ref.situ_glu_bwd_ref, ref.situ_glu_ref, betas), (ref.swiglu_bwd_ref, ref.swiglu_ref, ())]
+        for bwd, fwd, extra in cases:
+            got = bwd([dy], gate, up, *extra)
+            want = autograd_grads(fwd, (gate, up, *extra), [dy])[:2]
+            for a, b, arg in zip(got, want, (gate, up), strict=True):
+                assert a.shape == arg.shape and a.dtype == arg.dtype and torch.isfinite(a).all()
+                assert rel_rms(a, b) <= tol
+
+
+def test_glu_gradchecks_do_not_recompute(monkeypatch):
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("a GLU's backward recomputed its forward under torch.func.vjp")
+
+    monkeypatch.setattr(torch.func, "vjp", no_recompute)
+    g = (torch.randn(3, 5, dtype=torch.float64) * 3).requires_grad_()
+    u = (torch.randn(3, 5, dtype=torch.float64) * 30).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b: situ_glu(a, b, 4.0, 25.0), (g, u))
+    assert torch.autograd.gradcheck(swiglu, (g, u))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3compile.kernels import attn_res_triton as art
-from k3compile.kernels.attn_res import attn_res_ref
+from k3compile.kernels.attn_res import attn_res_bwd_ref, attn_res_ref
 from k3compile.kernels.compare import rel_rms as _rel_rms
 
 # Rows longer than a block (two-pass forward), several D blocks and several partial rows of du.
@@ -54,6 +54,17 @@ def _check(src, query, norm_weight, eps, fwd_tol, bwd_tol, seed=1):
 def test_matches_reference_and_autograd(S, B, T, D, blocks):
     # D = 100 and T = 13 are ragged for every block size; T = 1 is a single token; S = 20 is full AttnRes depth.
     _check(*_inputs(S, B, T, D), 1e-6, 1e-6, 1e-5)
+
+
+@pytest.mark.parametrize(("S", "B", "T", "D"), [(3, 2, 13, 100), (20, 1, 3, 48)])
+def test_backward_matches_the_hand_written_reference_backward(S, B, T, D):
+    src, query, norm_weight = _inputs(S, B, T, D, seed=2)
+    g_h = torch.randn(B, T, D, generator=torch.Generator().manual_seed(3))
+    got = art.attn_res_bwd([g_h], src, query, norm_weight, 1e-5)
+    want = attn_res_bwd_ref([g_h], src, query, norm_weight, 1e-5)
+    for a, b in zip(got, want, strict=True):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert _rel_rms(a, b) <= 1e-5
 
 
 def test_non_contiguous_sources():

@@ -1,6 +1,7 @@
 """KDA and short-conv references: hand values, the three KDA forms against each other in float64,
-strong decays, the chunked form's hand-written backward against autograd, its blockwise inverse against
-a triangular solve, and the decay gates."""
+strong decays, the chunked form's hand-written backward against autograd (whole, and block by block with
+its recomputing backward), the workspace, its blockwise inverse against a triangular solve, and the decay
+gates."""
 
 import math
 
@@ -8,8 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from k3compile.kernels import kda as kda_module
 from k3compile.kernels.kda import (
     LOG2E,
+    ChunkSaved,
+    ChunkStates,
     _decay_factors,
     _intra_chunk_scores,
     _unit_lower_inverse,
@@ -20,6 +24,7 @@ from k3compile.kernels.kda import (
     kda_gate_ref,
     kda_naive,
     kda_recurrent_ref,
+    chunk_saved_shapes,
 )
 from k3compile.kernels.short_conv import short_conv_naive, short_conv_ref
 from k3compile.kernels.compare import rel_rms as _rel
@@ -149,6 +154,53 @@ def test_chunk_backward_matches_autograd_of_naive_float64(T, chunk_size, with_st
     for a, b in zip([x for x in got if x is not None], want):
         assert a.dtype == F64 and a.shape == b.shape
         assert (a - b).norm() <= 1e-11 * b.norm() + 1e-15  # d/dg is exactly 0 with T = 1 and no state
+
+
+@pytest.fixture
+def one_chunk_blocks(monkeypatch):
+    """The long-sequence path at test sizes: blocks of one chunk in the workspace, ChunkStates kept."""
+    monkeypatch.setattr(kda_module, "_BLOCK_CHUNK_HEADS", 1)
+
+
+@pytest.mark.parametrize("T,chunk_size", [(7, 4), (31, 16), (65, 16)])
+@pytest.mark.parametrize("with_state", [False, True])
+def test_blockwise_forward_and_recomputing_backward_match_naive_float64(one_chunk_blocks, T, chunk_size, with_state):
+    q, k, v, g, beta, S0 = _inputs(T=T)
+    init = S0 if with_state else None
+    leaves = [t.clone().requires_grad_() for t in (q, k, v, g, beta, init) if t is not None]
+    o, S = kda_naive(*leaves[:5], 0.7, leaves[5] if with_state else None)
+    gen = torch.Generator().manual_seed(T)
+    do, dS = torch.randn(o.shape, generator=gen, dtype=F64), torch.randn(S.shape, generator=gen, dtype=F64)
+    want = torch.autograd.grad((o * do).sum() + (S * dS).sum(), leaves)
+    o_c, S_c, saved = kda_chunk_fwd(q, k, v, g, beta, 0.7, init, chunk_size)
+    assert isinstance(saved, ChunkStates)
+    assert _rel(o_c, o) < 1e-12 and _rel(S_c, S) < 1e-12
+    got = kda_chunk_bwd(do, dS, saved, q, k, v, g, beta, 0.7, init)
+    for a, b in zip([x for x in got if x is not None], want, strict=True):
+        assert a.dtype == F64 and a.shape == b.shape
+        assert (a - b).norm() <= 1e-11 * b.norm()
+
+
+def test_what_the_forward_keeps_follows_the_block_count(one_chunk_blocks):
+    # One block (a training step's sizes): everything, so the backward recomputes nothing; more: M and S only.
+    for T, kind in ((4, ChunkSaved), (9, ChunkStates)):
+        q, k, v, g, beta, S0 = _inputs(T=T, dtype=torch.float32)
+        *_, saved = kda_chunk_fwd(q, k, v, g, beta, None, S0, 8)
+        assert isinstance(saved, kind)
+        assert [tuple(t.shape) for t in saved] == chunk_saved_shapes(2, T, 2, 8, 4, 8)
+
+
+def test_long_sequences_reuse_the_workspace(one_chunk_blocks):
+    # After a first call, calls of the same or a shorter length take no new buffer, and nothing they return
+    # lives in one.
+    q, k, v, g, beta, S0 = _inputs(T=40, dtype=torch.float32)
+    kda_chunk_fwd(q, k, v, g, beta, None, S0, 8)
+    buffers = {key: t.data_ptr() for key, t in kda_module._workspace()._flat.items()}
+    for T in (40, 17):
+        o, S, saved = kda_chunk_fwd(*(x[:, :T] for x in (q, k, v, g, beta)), None, S0, 8)
+        assert {key: t.data_ptr() for key, t in kda_module._workspace()._flat.items()} == buffers
+        returned = {t.untyped_storage().data_ptr() for t in (o, S, *saved)}
+        assert not returned & set(buffers.values())
 
 
 @pytest.mark.parametrize("scale_g", [1.0, 8.0, 40.0])

@@ -119,3 +119,49 @@ def test_rms_norm_module(dtype):
     assert torch.equal(m.weight, torch.ones(8, dtype=dtype))
     x = torch.randn(2, 8, dtype=dtype)
     assert torch.equal(m(x), rms_norm_ref(x, m.weight, 1e-5))
+
+
+def _norm_cases(shape, dtype, seed=5, transpose=False):
+    """(name, hand-written backward, reference forward, args) per norm op."""
+    from k3compile.kernels import norms as ref
+
+    g = torch.Generator().manual_seed(seed)
+    x, gate, res = (torch.randn(shape, generator=g).mul_(2).to(dtype) for _ in range(3))
+    if transpose:  # non-contiguous rows
+        x, gate, res = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (x, gate, res))
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    return [
+        ("rms_norm", ref.rms_norm_bwd_ref, ref.rms_norm_ref, (x, w, 1e-5)),
+        ("l2_norm", ref.l2_norm_bwd_ref, ref.l2_norm_ref, (x, 1e-6)),
+        ("rms_norm_gate", ref.rms_norm_gate_bwd_ref, ref.rms_norm_gate_ref, (x, w, gate, 1e-5)),
+    ]
+
+
+@pytest.mark.parametrize(("shape", "dtype", "transpose"), [
+    ((3, 5, 40), torch.float32, False), ((6, 4, 64), torch.float32, True), ((7, 33), torch.bfloat16, False),
+])
+def test_hand_written_backwards_equal_autograd_of_the_reference(shape, dtype, transpose):
+    from k3compile.kernels.compare import autograd_grads, rel_rms
+
+    for name, bwd, fwd, args in _norm_cases(shape, dtype, transpose=transpose):
+        dy = torch.randn(shape, generator=torch.Generator().manual_seed(6)).to(dtype)
+        got = bwd([dy], *args)
+        want = [w for w in autograd_grads(fwd, args, [dy]) if w is not None]
+        assert len(got) == len(want), name
+        for a, b, arg in zip(got, want, [t for t in args if isinstance(t, torch.Tensor)]):
+            assert a.shape == arg.shape and a.dtype == arg.dtype, name
+            assert rel_rms(a, b) <= (1e-5 if dtype == torch.float32 else 8e-3), name
+
+
+def test_norm_backwards_do_not_recompute(monkeypatch):
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("a norm's backward recomputed its forward under torch.func.vjp")
+
+    monkeypatch.setattr(torch.func, "vjp", no_recompute)
+    kw = dict(dtype=torch.float64, requires_grad=True)
+    x, r, g = (torch.randn(2, 3, 6, **kw) for _ in range(3))
+    w = torch.randn(6, **kw)
+    assert torch.autograd.gradcheck(lambda a, b: rms_norm(a, b, 1e-5), (x, w))
+    assert torch.autograd.gradcheck(lambda a: l2_norm(a, 1e-6), (x,))
+    assert torch.autograd.gradcheck(lambda a, b, c: rms_norm_gate(a, b, c, 1e-5), (x, w, g))
+    assert torch.autograd.gradcheck(lambda a, b, c: add_rms_norm(a, b, c, 1e-5), (x, r, w))

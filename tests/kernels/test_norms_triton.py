@@ -66,6 +66,19 @@ def test_backward_matches_autograd_fp32(shape, eps):
             assert rel_rms(a, b) <= 1e-5, name
 
 
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_matches_the_hand_written_reference_backward(shape):
+    x, w, gate, res, dy, _ = _inputs(shape, seed=4)
+    hand = {"rms_norm": ref.rms_norm_bwd_ref, "l2_norm": ref.l2_norm_bwd_ref, "rms_norm_gate": ref.rms_norm_gate_bwd_ref}
+    for name, _, _, args, bwd in _cases(x, w, gate, res, 1e-5):
+        if name in hand:  # add_rms_norm's reference backward is rms_norm's, on the sum
+            got, want = bwd([dy], *args), hand[name]([dy], *args, 1e-5)
+            assert len(got) == len(want), name
+            for a, b in zip(got, want):
+                assert a.shape == b.shape and a.dtype == b.dtype, name
+                assert rel_rms(a, b) <= 1e-5, name
+
+
 def test_add_rms_norm_sum_is_bit_equal_to_unfused_add():
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x, w, _, res, _, _ = _inputs((7, 100), dtype, seed=2)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from k3compile.kernels import short_conv_triton as sct
-from k3compile.kernels.short_conv import short_conv_naive, short_conv_ref
+from k3compile.kernels.short_conv import short_conv_bwd_ref, short_conv_naive, short_conv_ref
 from k3compile.kernels.compare import rel_rms as _rel_rms
 
 # Small blocks so a short sequence spans several T-blocks, C-blocks and dweight partial rows.
@@ -54,6 +54,18 @@ def _check_against_autograd(x, weight, h, seed=1):
 def test_matches_reference_and_autograd(T, W, with_state):
     # T = 1 and T = 2 < W - 1 (W = 4) keep part of the initial state in the new state and its gradient.
     _check_against_autograd(*_inputs(2, T, 40, W, with_state))
+
+
+@pytest.mark.parametrize(("T", "with_state"), [(2, True), (13, False), (37, True)])
+def test_backward_matches_the_hand_written_reference_backward(T, with_state):
+    x, weight, h = _inputs(2, T, 40, 4, with_state, seed=2)
+    g = torch.Generator().manual_seed(3)
+    grads = [torch.randn(2, T, 40, generator=g), torch.randn(2, 40, 3, generator=g)]
+    for a, b in zip(sct.short_conv_bwd(grads, x, weight, h), short_conv_bwd_ref(grads, x, weight, h), strict=True):
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert a.shape == b.shape and a.dtype == b.dtype
+            assert _rel_rms(a, b) <= 1e-5
 
 
 @pytest.mark.parametrize("W", [3, 4])

@@ -1,9 +1,13 @@
-"""k3::attn_res against a float64 naive loop; zero query averages; gradcheck; meta, fx, compile."""
+"""k3::attn_res against a float64 naive loop; zero query averages; gradcheck and the hand-written backward
+against autograd of the reference; meta, fx, compile."""
 
 import math
 
+import pytest
 import torch
 
+from k3compile.kernels.attn_res import attn_res_bwd_ref, attn_res_ref
+from k3compile.kernels.compare import autograd_grads, rel_rms
 from k3compile.ops.attn_res import attn_res
 
 
@@ -66,6 +70,31 @@ def test_gradcheck_float64():
     kw = dict(dtype=torch.float64, requires_grad=True)
     v, w, g = torch.randn(3, 2, 2, 5, **kw), torch.randn(5, **kw), torch.randn(5, **kw)
     assert torch.autograd.gradcheck(lambda a, b, c: attn_res(a, b, c, 1e-5), (v, w, g))
+
+
+def test_gradcheck_float64_does_not_recompute(monkeypatch):
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("attn_res's backward recomputed its forward under torch.func.vjp")
+
+    monkeypatch.setattr(torch.func, "vjp", no_recompute)
+    kw = dict(dtype=torch.float64, requires_grad=True)
+    v = (torch.randn(4, 2, 3, 6, dtype=torch.float64) * torch.tensor([0.5, 1, 2, 4]).view(4, 1, 1, 1)).requires_grad_()
+    assert torch.autograd.gradcheck(lambda a, b, c: attn_res(a, b, c, 1e-5), (v, torch.randn(6, **kw),
+                                                                               torch.randn(6, **kw)))
+
+
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 8e-3)])
+def test_hand_written_backward_equals_autograd_of_the_reference(dtype, tol):
+    g = torch.Generator().manual_seed(4)
+    v = (torch.randn(5, 2, 7, 48, generator=g) * torch.rand(5, 1, 1, 1, generator=g).mul(3)).to(dtype)
+    v = v.transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous sources
+    query, norm_weight = torch.randn(48, generator=g).to(dtype), (torch.rand(48, generator=g) + 0.5).to(dtype)
+    dh = torch.randn(2, 7, 48, generator=g).to(dtype)
+    got = attn_res_bwd_ref([dh], v, query, norm_weight, 1e-5)
+    want = autograd_grads(attn_res_ref, (v, query, norm_weight, 1e-5), [dh])[:3]
+    for a, b, arg in zip(got, want, (v, query, norm_weight), strict=True):
+        assert a.shape == arg.shape and a.dtype == arg.dtype
+        assert rel_rms(a, b) <= tol
 
 
 def test_meta_trace_compile():

@@ -72,6 +72,23 @@ def test_chunk_backward_reuses_the_forward(monkeypatch):
     assert all(x.grad is not None and torch.isfinite(x.grad).all() for x in [*xs, S0])
 
 
+def test_long_sequence_path_through_the_op(monkeypatch):
+    # Blocks of one chunk: the op's fake declares ChunkStates, and values and gradients still equal the
+    # recurrence (the backward recomputes what the forward did not keep).
+    monkeypatch.setattr(kda_kernels, "_BLOCK_CHUNK_HEADS", 1)
+    *xs, S0 = _inputs(T=70, requires_grad=True)
+    out = torch.ops.k3.kda_chunk.default(*xs, None, S0, 16)
+    fake = torch.ops.k3.kda_chunk.default(*(x.to("meta") for x in xs), None, S0.to("meta"), 16)
+    assert len(out) == len(fake) == 4 and [t.shape for t in out] == [t.shape for t in fake]
+    results = []
+    for mode in ("chunk", "recurrent"):
+        o, S = kda(*xs, initial_state=S0, output_final_state=True, mode=mode, chunk_size=16)
+        loss = (o * torch.cos(o.detach() * 3)).sum() + (S * torch.sin(S.detach())).sum()
+        results.append([o, S, *torch.autograd.grad(loss, [*xs, S0])])
+    for got, want in zip(*results):
+        assert _rel_rms(got, want) < 1e-5
+
+
 def test_recurrent_matches_naive_fp32():
     *xs, S0 = _inputs(T=40)
     o, S = kda(*xs, initial_state=S0, output_final_state=True, mode="recurrent")

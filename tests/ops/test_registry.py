@@ -1,5 +1,6 @@
-"""The op registry: fake impls, generic recompute backward, multi-output and optional inputs."""
+"""The op registry: fake impls, generic recompute and hand-written backwards, multi-output and optional inputs."""
 
+import pytest
 import torch
 from torch import Tensor
 
@@ -50,3 +51,40 @@ def test_meta_fx_and_compile():
     x, s = torch.randn(3, 8, requires_grad=True), torch.randn(8, requires_grad=True)
     f(x, s).backward()
     torch.testing.assert_close(s.grad, x.detach().sin().sum(0))
+
+
+_hand_calls = []
+
+
+def _square_sum_bwd(grads, x, w):
+    _hand_calls.append(len(grads))
+    (gy,) = grads
+    return [gy[..., None] * 2 * x * w, (gy[..., None] * x * x).reshape(-1, x.shape[-1]).sum(0)]
+
+
+@k3_op(
+    "test_square_sum",
+    fake=lambda x, w: x.new_empty(x.shape[:-1]),
+    differentiable=("x", "w"),
+    backward=_square_sum_bwd,
+)
+def square_sum(x: Tensor, w: Tensor) -> Tensor:
+    return (x * x * w).sum(-1)
+
+
+def test_a_hand_written_backward_replaces_the_recompute(monkeypatch):
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(4, dtype=torch.float64, requires_grad=True)
+
+    def no_recompute(*args, **kwargs):
+        raise AssertionError("the backward recomputed the forward")
+
+    assert torch.autograd.gradcheck(square_sum, (x, w))
+    monkeypatch.setattr(torch.func, "vjp", no_recompute)
+    _hand_calls.clear()
+    gx, gw = torch.autograd.grad(square_sum(x, w).sum(), (x, w))
+    assert _hand_calls == [1]
+    torch.testing.assert_close(gx, 2 * x.detach() * w.detach())
+    torch.testing.assert_close(gw, x.detach().pow(2).sum(0))
+    with pytest.raises(ValueError, match="differentiable"):
+        k3_op("test_bad_backward", fake=lambda x: x, backward=_square_sum_bwd)

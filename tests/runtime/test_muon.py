@@ -8,7 +8,15 @@ import pytest
 import torch
 from torch import nn
 
-from k3compile.runtime.muon import PerHeadMuon, default_use_muon, newton_schulz, qk_clip_
+from k3compile.runtime.muon import (
+    NS_COEFFICIENTS,
+    PerHeadMuon,
+    default_use_muon,
+    muon_precision,
+    native_bf16_matmul,
+    newton_schulz,
+    qk_clip_,
+)
 
 STEPS = 4
 
@@ -51,6 +59,71 @@ def test_newton_schulz_matches_torch_and_is_near_orthogonal():
     assert torch.equal(ours, _zeropower_via_newtonschulz(g, (3.4445, -4.7750, 2.0315), 5, 1e-7))
     sv = torch.linalg.svdvals(ours.float())
     assert sv.min() > 0.5 and sv.max() < 1.5  # the quintic's band, not exactly 1
+
+
+def test_batched_newton_schulz_is_matrix_by_matrix():
+    g = torch.randn(5, 24, 10, generator=torch.Generator().manual_seed(4))  # tall: each runs on its transpose
+    batched = newton_schulz(g, NS_COEFFICIENTS, 5, 1e-7, torch.float32)
+    assert batched.shape == g.shape and batched.dtype == torch.float32
+    for m, o in zip(g, batched):
+        torch.testing.assert_close(o, newton_schulz(m, NS_COEFFICIENTS, 5, 1e-7, torch.float32), rtol=1e-5, atol=1e-6)
+
+
+def test_fp32_blocks_of_one_shape_are_batched_across_parameters(monkeypatch):
+    import k3compile.runtime.muon as muon
+
+    calls = []
+    real = muon.newton_schulz
+    monkeypatch.setattr(muon, "newton_schulz", lambda g, *a: calls.append(tuple(g.shape)) or real(g, *a))
+    ps = _params((8, 12), (2, 8, 12), (16, 12))  # 1 + 2 + 2 blocks of 8 x 12 (the last cut in two heads)
+    opt = PerHeadMuon([{"params": ps[:2]}, {"params": ps[2:], "head_split": 2}], ns_dtype=torch.float32)
+    _run(opt, ps, _grads([p.shape for p in ps], steps=1))
+    assert calls == [(5, 8, 12)]
+
+
+@pytest.mark.parametrize("shape", [(6, 16, 40), (3, 48, 20)])
+def test_fp32_and_bf16_newton_schulz_agree_to_bf16_tolerance(shape):
+    g = torch.randn(shape, generator=torch.Generator().manual_seed(6))
+    o32 = newton_schulz(g, NS_COEFFICIENTS, 5, 1e-7, torch.float32)
+    o16 = newton_schulz(g, NS_COEFFICIENTS, 5, 1e-7, torch.bfloat16)
+    assert o32.dtype == torch.float32
+    # bf16 carries 8 bits; five iterations of rounding leave the two within a few of its ulps (2^-8 = 0.4%)
+    rel = torch.linalg.matrix_norm(o16.float() - o32) / torch.linalg.matrix_norm(o32)
+    assert rel.max() < 3e-2
+    assert not torch.equal(o16.float(), o32)  # really two precisions
+    sv = torch.linalg.svdvals(o32)
+    assert sv.min() > 0.5 and sv.max() < 1.5
+
+
+def test_fp32_and_bf16_steps_agree_to_bf16_tolerance():
+    shapes = [(24, 16), (3, 8, 12), (16, 16)]
+    kw = dict(lr=0.02, weight_decay=0.1, adjust_lr_fn="match_rms_adamw")
+    p16, p32 = _params(*shapes), _params(*shapes)
+    start = [p.detach().clone() for p in p16]
+    grads = _grads(shapes)
+    groups = lambda ps: [{"params": ps[:1], "head_split": 4}, {"params": ps[1:2], "head_split": 2}, {"params": ps[2:]}]
+    _run(PerHeadMuon(groups(p16), **kw), p16, grads)
+    _run(PerHeadMuon(groups(p32), ns_dtype=torch.float32, **kw), p32, grads)
+    for a, b, p0 in zip(p16, p32, start):
+        moved = torch.linalg.vector_norm(b.detach() - p0)
+        assert torch.linalg.vector_norm(a.detach() - b.detach()) < 3e-2 * moved
+
+
+def test_muon_precision_choice(monkeypatch):
+    assert muon_precision("bf16") == (torch.bfloat16, "Muon's Newton-Schulz in bf16 (training.muon_precision)")
+    assert muon_precision("fp32")[0] == torch.float32
+    native, why = native_bf16_matmul("cpu")
+    dtype, line = muon_precision("auto")
+    assert dtype == (torch.bfloat16 if native else torch.float32) and why in line
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")  # what a CPU without AVX512_BF16 or AMX gets anyway
+    assert muon_precision("auto")[0] == torch.float32
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    assert native_bf16_matmul("cpu") == (False, f"CPU capability {torch.backends.cpu.get_cpu_capability()}, "
+                                                "no AVX512_BF16 or AMX")
+    with pytest.raises(ValueError):
+        muon_precision("fp16")
 
 
 @pytest.mark.parametrize("adjust_lr_fn", [None, "match_rms_adamw"])
@@ -264,6 +337,8 @@ def test_validation_errors():
         PerHeadMuon([{"params": _params((4,)), "use_muon": True}])
     with pytest.raises(ValueError):
         PerHeadMuon(_params((4, 4)), adjust_lr_fn="bogus")
+    with pytest.raises(ValueError):
+        PerHeadMuon(_params((4, 4)), ns_dtype=torch.float16)
     with pytest.raises(ValueError):
         PerHeadMuon([{"params": _params((4, 4), (4,))}])
     with pytest.raises(ValueError):

@@ -16,9 +16,10 @@ import torch
 import k3compile
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime.data import load_corpus
+from k3compile.runtime.muon import muon_precision
 from k3compile.runtime.schedule import lr_at
 from k3compile.runtime.train import TrainError, head_splits, make_optimizer
-from k3compile.spec.load import load_spec
+from k3compile.spec.load import SpecError, load_spec
 from k3compile.spec.schema import Schedule
 
 from ..conftest import K3_TINY
@@ -447,3 +448,19 @@ def test_sigterm_finishes_the_step_checkpoints_and_exits_143(tmp_path, corpus_fi
     assert proc.returncode == 128 + signal.SIGTERM and "Traceback" not in err, err
     steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
     assert steps == list(range(1, len(steps) + 1)) and ckpt.committed(out / "checkpoints") == [steps[-1]]
+@pytest.mark.parametrize("precision", ["auto", "bf16", "fp32"])
+def test_muon_precision_follows_the_spec(build, precision):
+    spec = load_spec(K3_TINY, [f"training.muon_precision={precision}"])
+    named = list(k3compile.load(build).Model().named_parameters())
+    opt = make_optimizer(spec, named)
+    want = muon_precision(precision, "cpu")[0]
+    assert {g["ns_dtype"] for g in opt.param_groups if g["use_muon"]} == {want}
+    with pytest.raises(SpecError, match="training.muon_precision: Input should be 'auto', 'bf16' or 'fp32'"):
+        load_spec(K3_TINY, ["training.muon_precision=fp16"])
+
+
+def test_the_run_prints_the_muon_precision(build, tmp_path, corpus_file, cli):
+    overrides = [f"--set={s}" for s in (*SMALL, "training.muon_precision=fp32")]
+    rc, out, err = cli("train", build, "--steps", "1", "--data", corpus_file, "--out", tmp_path / "run", *overrides)
+    assert rc == 0, err
+    assert "Muon's Newton-Schulz in fp32 (training.muon_precision)" in out
