@@ -69,7 +69,8 @@ def randn(*shape, seed=0):
 def test_every_k3_op_is_translated_or_listed():
 
     ops = {n for n in dir(torch.ops.k3) if isinstance(getattr(torch.ops.k3, n), torch._ops.OpOverloadPacket)}
-    forward = {n for n in ops if not n.endswith("_bwd")}
+    # the project's ops; tests/ops/test_registry.py registers toy "test_*" ops in whichever worker runs it
+    forward = {n for n in ops if not n.endswith("_bwd") and not n.startswith("test_")}
     translated = {target.name().split("::")[1] for target in translate.table(F.define(24, "uint8")) if target.namespace == "k3"}
     assert forward == translated | set(translate.UNTRANSLATED)
     assert not translated & set(translate.UNTRANSLATED)
