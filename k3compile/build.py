@@ -56,6 +56,7 @@ class BuildOptions:
     dump_after: frozenset[str] = frozenset()
     verify_numerics: bool = False
     device: str | None = None  # default: cpu for small specs, meta for large
+    check_every_pass: bool = False  # full shape propagation after every pass, not only where it changed
 
 
 @dataclass
@@ -100,6 +101,7 @@ def compile_graphs(
                 numerics=numerics,
                 on_dump=dumps.__setitem__,
                 on_pass=None if on_pass is None else (lambda name, g=graph: on_pass(f"{g}: {name}")),
+                check_every_pass=options.check_every_pass,
             )
             manager.run(lowered.gm, PassContext(spec, mode, target, graph), lowered.example_inputs)
             out[graph] = CompiledGraph(graph, lowered.gm, manager.records, dumps)

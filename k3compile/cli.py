@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-pass", action="append", default=[], metavar="NAME", help="skip a pass (repeatable)")
     p.add_argument("--verify-numerics", action="store_true",
                    help="run a small real instance before and after each numerics-preserving pass; fail on a difference")
+    p.add_argument("--check-every-pass", action="store_true",
+                   help="propagate shapes through the whole graph after every pass (default: only where a pass "
+                   "changed it, and fully once at the end)")
     p.add_argument("--onnx", action="store_true",
                    help="then export every graph of the build to DIR/<name>/onnx/<graph>.onnx (k3compile export's defaults)")
 
@@ -248,6 +251,7 @@ def _cmd_build(args) -> None:
         disabled=frozenset(args.disable_pass),
         dump_after=frozenset(args.dump_after),
         verify_numerics=args.verify_numerics,
+        check_every_pass=args.check_every_pass,
     )
     from rich.console import Console
     from rich.progress import Progress

@@ -53,7 +53,8 @@ def _shard(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, ep: int) -> 
     buffer = next(u for u in dispatch.users if _is(u, operator.getitem) and u.args[1] == 0)
     expert_out = combine.args[0]
     region = expert_region(buffer, expert_out)
-    inputs = {a for n in region for a in n.all_input_nodes if a not in region}
+    inside = set(region)
+    inputs = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside)  # graph order
     by_rank = [a for a in inputs if a is buffer or _leading(a) == num_experts]
     for a in by_rank:
         users = [u for u in a.users if u in region]

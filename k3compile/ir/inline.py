@@ -84,6 +84,43 @@ def _replace_uses(node: fx.Node, value, graph: fx.Graph) -> None:
         raise ValueError(f"{node.name}: a structured output is used other than by indexing")
 
 
+def _fingerprint(m: nn.Module) -> tuple:
+    """What a module's traced code can depend on: its class, plain attributes, tensor metadata, children."""
+    plain = tuple((k, repr(v)) for k, v in sorted(vars(m).items()) if not k.startswith("_"))
+    tensors = tuple(
+        (kind, name, tuple(t.shape), t.dtype, t.device.type)
+        for kind, table in (("p", m._parameters), ("b", m._buffers))
+        for name, t in table.items()
+        if t is not None
+    )
+    return (type(m), plain, tensors, tuple((n, _fingerprint(c)) for n, c in m._modules.items() if c is not None))
+
+
+_TRACES: dict[tuple, tuple[fx.Graph, pytree.TreeSpec]] = {}
+_TRACES_MAX = 256
+
+
+def _traced(module: nn.Module, method: str, spec: pytree.TreeSpec, constants: dict, n_inputs: int):
+    """(graph, output structure) of `module.<method>` traced flat; structurally identical modules called the
+    same way (every layer of one kind) share one trace, whose get_attr targets are relative to the module."""
+    from k3compile.ir.lower import FlatTracer  # lower imports the model; keep this file light
+
+    try:
+        key = (_fingerprint(module), method, spec, repr(sorted(constants.items())), n_inputs)
+        hash(key)
+    except TypeError:  # an unhashable constant: trace without caching
+        key = None
+    if key is not None and key in _TRACES:
+        return _TRACES[key]
+    call = _with_arity(n_inputs)(module, method, spec, constants)
+    traced = (FlatTracer().trace(call), call.out_spec)
+    if key is not None:
+        if len(_TRACES) >= _TRACES_MAX:
+            _TRACES.clear()
+        _TRACES[key] = traced
+    return traced
+
+
 def inline_call(
     gm: fx.GraphModule, node: fx.Node, module: nn.Module, path: str, args: tuple, kwargs: dict, method: str = "forward"
 ) -> None:
@@ -92,13 +129,10 @@ def inline_call(
     `args`/`kwargs` may hold graph nodes anywhere in their structure (lists, NamedTuples, dicts); the
     node's uses (getitem chains on a tuple output) are pointed at the matching inlined values.
     """
-    from k3compile.ir.lower import FlatTracer  # lower imports the model; keep this file light
-
     leaves, spec = pytree.tree_flatten(_structured((tuple(args), dict(kwargs))))
     constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, fx.Node)}
     inputs = [v for v in leaves if isinstance(v, fx.Node)]
-    call = _with_arity(len(inputs))(module, method, spec, constants)
-    sub = FlatTracer().trace(call)
+    sub, out_spec = _traced(module, method, spec, constants, len(inputs))
     attach(gm, path, holder(module))
     placeholders = [n for n in sub.nodes if n.op == "placeholder"]
     val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs))
@@ -110,5 +144,5 @@ def inline_call(
             new._rename(new.target.replace(".", "_"))  # readable generated code: layers_3_attn_q_proj_weight
         if old.op != "placeholder":
             new.meta["origin"] = path
-    _replace_uses(node, pytree.tree_unflatten(list(flat), call.out_spec), gm.graph)
+    _replace_uses(node, pytree.tree_unflatten(list(flat), out_spec), gm.graph)
     gm.graph.erase_node(node)

@@ -28,24 +28,20 @@ ENTRY = {"train": "forward", "prefill": "prefill", "decode": "decode"}
 
 
 class FlatTracer(fx.Tracer):
-    """Traces through every module (nn.Linear included) so the graph holds ops, not modules."""
+    """Traces through every module (nn.Linear included) so the graph holds ops, not modules.
+
+    Parameter- and buffer-to-name maps are built once per trace, so naming a tensor is not a scan of
+    the model (fx's default is a linear search of all parameters or buffers for every tensor it meets).
+    """
+
+    def trace(self, root, concrete_args=None):
+        if isinstance(root, nn.Module):
+            self._names = {id(p): n for n, p in root.named_parameters()}
+            self._buffer_names = {id(b): n for n, b in root.named_buffers()}
+        return super().trace(root, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return False
-
-
-class LowerTracer(FlatTracer):
-    """Keeps token mixers and depth sites as `call_module` nodes whose outputs have the module's structure.
-
-    A parameter-to-name map is built once, so finding a parameter's name is not a scan of the model.
-    """
-
-    def __init__(self, root: nn.Module):
-        super().__init__()
-        self._names = {id(p): n for n, p in root.named_parameters()}
-
-    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return isinstance(m, MIXERS + DEPTH_SITES)
 
     def getattr(self, attr, attr_val, parameter_proxy_cache):
         name = self._names.get(id(attr_val)) if isinstance(attr_val, nn.Parameter) else None
@@ -54,6 +50,20 @@ class LowerTracer(FlatTracer):
         if name not in parameter_proxy_cache:
             parameter_proxy_cache[name] = self.create_proxy("get_attr", name, (), {})
         return parameter_proxy_cache[name]
+
+    def create_arg(self, a):
+        if isinstance(a, torch.Tensor):
+            name = (self._names if isinstance(a, nn.Parameter) else self._buffer_names).get(id(a))
+            if name is not None:
+                return self.create_node("get_attr", name, (), {})
+        return super().create_arg(a)
+
+
+class LowerTracer(FlatTracer):
+    """Keeps token mixers and depth sites as `call_module` nodes whose outputs have the module's structure."""
+
+    def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
+        return isinstance(m, MIXERS + DEPTH_SITES)
 
     def call_module(self, m, forward, args, kwargs):
         out = super().call_module(m, forward, args, kwargs)
@@ -97,7 +107,7 @@ def lower(spec: Spec, device: torch.device | str = "meta", graph: str = "train",
     if graph not in GRAPHS:
         raise ValueError(f"unknown graph {graph!r}; expected one of {GRAPHS}")
     root = model if model is not None else build_model(spec, device)
-    tracer = LowerTracer(root)
+    tracer = LowerTracer()
     tracer.traced_func_name = ENTRY[graph]
     traced = tracer.trace(root)
     gm = fx.GraphModule(root, traced, class_name=_class_name(spec))

@@ -96,7 +96,9 @@ class PassManager:
 
     `dump_after` names passes (or 'all') after which the graph text goes to `on_dump(name, text)`;
     `numerics` is (graph, inputs) of a small real instance that runs every pass too and is
-    compared before and after each numerics-preserving one (`--verify-numerics`).
+    compared before and after each numerics-preserving one (`--verify-numerics`). Between passes
+    shapes are re-propagated only where a pass changed the graph, and fully once at the end; with
+    `check_every_pass`, dumps or numerics checks every pass gets the full check.
     """
 
     passes: list[GraphPass]
@@ -108,6 +110,7 @@ class PassManager:
     rtol: float = 1e-5
     reproducer_root: Path | None = None
     records: list[PassRecord] = field(default_factory=list)
+    check_every_pass: bool = False
 
     def __post_init__(self):
         known = {p.name for p in self.passes}
@@ -123,6 +126,7 @@ class PassManager:
         if start == 0:
             self._dump(gm, 0, "lowered")
         stop = len(self.passes) if stop is None else stop
+        incremental = not (self.check_every_pass or self.dump_after or self.numerics is not None)
         for i in range(start, stop):
             p = self.passes[i]
             if p.name in self.disabled:
@@ -133,7 +137,7 @@ class PassManager:
             try:
                 stats = p.run(gm, ctx) or {}
                 eliminate_dead_code(gm)
-                verify_graph(gm, example_inputs)  # an interpreter run: the code is regenerated once, at the end
+                verify_graph(gm, example_inputs, reuse=incremental)  # the code is regenerated once, at the end
             except NumericsMismatch:
                 raise
             except Exception as e:
@@ -144,6 +148,11 @@ class PassManager:
                 record.max_rel_diff = self._check_numerics(p, ctx)
             self.records.append(record)
             self._dump(gm, i + 1, p.name)
+        if incremental:
+            try:
+                verify_graph(gm, example_inputs)
+            except GraphVerificationError as e:
+                raise PassFailure(self.passes[stop - 1].name, str(e).splitlines()[0], self._reproducer(ctx, stop)) from e
         gm.recompile()
         return gm
 
@@ -154,7 +163,7 @@ class PassManager:
             numerics = (copy.deepcopy(self.numerics[0]), self.numerics[1])
         return PassManager(
             self.passes, self.disabled, self.dump_after, self.on_dump, self.on_pass, numerics, self.rtol,
-            self.reproducer_root, list(self.records),
+            self.reproducer_root, list(self.records), self.check_every_pass,
         )  # fmt: skip
 
     def _check_numerics(self, p: GraphPass, ctx: PassContext) -> float | None:

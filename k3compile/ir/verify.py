@@ -1,4 +1,9 @@
-"""Graph verification after every pass: structure (lint, no dangling nodes) and shapes via fake tensors."""
+"""Graph verification after every pass: structure (lint, no dangling nodes) and shapes via meta tensors.
+
+Between passes the shape check may be incremental (`reuse=True`): a node keeps its recorded value when
+its operation and arguments are those it was computed from and no input's shape, stride or dtype changed,
+so a pass that rewrites a few nodes re-propagates only those and what their new shapes reach.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,8 @@ class MetaShapeProp(fx.Interpreter):
     """Runs the graph on meta tensors (k3 ops through their fake impls), recording each node's value.
 
     Weights and inputs are replaced by meta tensors of the same shape and dtype, so this
-    costs no memory and no arithmetic whatever the model size.
+    costs no memory and no arithmetic whatever the model size. `run_incremental` recomputes only
+    the nodes that changed since the last run (see the module docstring).
     """
 
     def fetch_attr(self, target: str):
@@ -20,8 +26,55 @@ class MetaShapeProp(fx.Interpreter):
 
     def run_node(self, n: fx.Node):
         result = super().run_node(n)
-        n.meta["val"] = result
+        n.meta["val"], n.meta["val_key"] = result, _key(self, n)
         return result
+
+    def run_incremental(self, *inputs) -> None:
+        changed: set[fx.Node] = set()  # nodes whose value differs from the one recorded before
+        it = iter(inputs)
+        for n in self.graph.nodes:
+            if n.op == "placeholder":
+                result = next(it)
+            elif n.op == "output":
+                n.meta["val"] = fx.node.map_arg(n.args[0], lambda a: a.meta["val"])
+                continue
+            else:
+                key = _key(self, n)
+                if "val" in n.meta and _same_key(n.meta.get("val_key"), key) and changed.isdisjoint(n.all_input_nodes):
+                    continue
+                args, kwargs = fx.node.map_arg((n.args, n.kwargs), lambda a: a.meta["val"])
+                with self._set_current_node(n):
+                    result = getattr(self, n.op)(n.target, args, kwargs)
+                n.meta["val_key"] = key
+            if "val" not in n.meta or _signature(n.meta["val"]) != _signature(result):
+                changed.add(n)
+            n.meta["val"] = result
+
+
+def _key(interp: fx.Interpreter, n: fx.Node) -> tuple:
+    """What a node's value is computed from: the object a get_attr reads (held, so its id is never reused),
+    or a call's target and arguments (nodes compare by identity)."""
+    if n.op == "get_attr":
+        return ("get_attr", fx.Interpreter.fetch_attr(interp, n.target))
+    return (n.op, n.target, n.args, n.kwargs)
+
+
+def _same_key(old, new) -> bool:
+    if old is None or old[0] != new[0]:
+        return False
+    if new[0] == "get_attr":
+        return old[1] is new[1]
+    try:
+        return bool(old == new)
+    except RuntimeError:  # a tensor constant among the arguments: compare conservatively
+        return False
+
+
+def _signature(value):
+    """The metadata of a (nested) meta value that downstream shapes depend on."""
+    return pytree.tree_map(
+        lambda v: (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v, value
+    )
 
 
 class GraphVerificationError(Exception):
@@ -29,8 +82,23 @@ class GraphVerificationError(Exception):
 
 
 def is_impure(node: fx.Node) -> bool:
-    """fx's purity, plus in-place tensor methods (`buf.add_(x)`: the MoE load statistics) as side effects."""
-    return node.is_impure() or (node.op == "call_method" and node.target.endswith("_"))
+    """fx's purity, plus in-place tensor methods (`buf.add_(x)`: the MoE load statistics) as side effects.
+
+    A call's purity depends on its target alone (higher-order operators aside), so it is looked up once.
+    """
+    if node.op == "call_method":
+        return node.target.endswith("_")
+    if node.op != "call_function" or isinstance(node.target, torch._ops.HigherOrderOperator):
+        return node.is_impure()
+    try:
+        return _IMPURE[node.target]
+    except KeyError:
+        return _IMPURE.setdefault(node.target, node.is_impure())
+    except TypeError:  # an unhashable target
+        return node.is_impure()
+
+
+_IMPURE: dict = {}
 
 
 def eliminate_dead_code(gm: fx.GraphModule) -> None:
@@ -54,16 +122,18 @@ def _has_attr(root: torch.nn.Module, target: str) -> bool:
     return True
 
 
-def verify_graph(gm: fx.GraphModule, example_inputs: tuple) -> None:
+def verify_graph(gm: fx.GraphModule, example_inputs: tuple, reuse: bool = False) -> None:
     """Lint the graph, reject dangling nodes, and propagate meta tensors to check every shape and dtype.
 
     `example_inputs` may be real or meta tensors; only their metadata is used. Each node's
-    `meta['val']` holds its meta output afterwards (dumps print the shapes from it).
+    `meta['val']` holds its meta output afterwards (dumps print the shapes from it). `reuse` keeps the
+    values of nodes that did not change since the last propagation (see the module docstring).
     """
-    try:
-        gm.graph.lint()
-    except Exception as e:  # fx raises bare RuntimeError/AssertionError on malformed graphs
-        raise GraphVerificationError(f"graph lint failed: {e}") from e
+    if not reuse:  # a full check; between passes fx's own graph invariants hold (passes edit through its API)
+        try:
+            gm.graph.lint()
+        except Exception as e:  # fx raises bare RuntimeError/AssertionError on malformed graphs
+            raise GraphVerificationError(f"graph lint failed: {e}") from e
     dangling = _dangling(gm)
     if dangling:
         raise GraphVerificationError(f"dangling nodes (computed, never used): {', '.join(dangling[:5])}")
@@ -73,7 +143,8 @@ def verify_graph(gm: fx.GraphModule, example_inputs: tuple) -> None:
     meta_inputs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), list(example_inputs))
     try:
         with torch.no_grad():
-            MetaShapeProp(gm).run(*meta_inputs)
+            prop = MetaShapeProp(gm)
+            prop.run_incremental(*meta_inputs) if reuse else prop.run(*meta_inputs)
     except Exception as e:
         raise GraphVerificationError(f"shape propagation failed: {type(e).__name__}: {e}".splitlines()[0]) from e
 

@@ -132,3 +132,57 @@ def test_format_graph_names_custom_ops_by_schema():
     gm = fx.GraphModule(nn.Module(), graph)
     verify_graph(gm, (torch.randn(3, 8), torch.ones(8)))
     assert "call_function[k3::rms_norm](%x, %w, 1e-05)" in format_graph(gm)
+
+
+class Chain(nn.Module):
+    """x -> linear(w1) -> relu -> linear(w2) -> + 1: a chain whose middle a test rewrites."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(6, 4))
+        self.w2 = nn.Parameter(torch.randn(3, 6))
+
+    def forward(self, x):
+        return F.linear(F.relu(F.linear(x, self.w1)), self.w2) + 1
+
+
+def _vals(gm: fx.GraphModule) -> dict[str, object]:
+    return {n.name: n.meta.get("val") for n in gm.graph.nodes}
+
+
+def test_incremental_check_recomputes_only_what_a_rewrite_reaches():
+    gm = fx.symbolic_trace(Chain())
+    inputs = (torch.randn(2, 4),)
+    verify_graph(gm, inputs)
+    before = _vals(gm)
+    verify_graph(gm, inputs, reuse=True)  # nothing changed: every value is the one recorded
+    assert all(_vals(gm)[k] is v for k, v in before.items() if k not in ("x", "output"))
+
+    # Rewrite: a bigger second weight changes the shape of everything after it, and nothing before.
+    gm.w2 = nn.Parameter(torch.randn(5, 6))
+    verify_graph(gm, inputs, reuse=True)
+    after = _vals(gm)
+    assert after["relu"] is before["relu"] and after["linear"] is before["linear"]
+    assert tuple(after["linear_1"].shape) == (2, 5) and tuple(after["add"].shape) == (2, 5)
+
+    # A new node between two old ones: computed, and its users follow.
+    relu = only(gm, F.relu)
+    with gm.graph.inserting_after(relu):
+        doubled = gm.graph.call_function(torch.cat, ([relu, relu], -1))
+    lin2 = next(n for n in gm.graph.nodes if n.name == "linear_1")
+    lin2.replace_input_with(relu, doubled)
+    gm.w2 = nn.Parameter(torch.randn(5, 12))
+    verify_graph(gm, inputs, reuse=True)
+    incremental = {k: (tuple(v.shape), v.dtype) for k, v in _vals(gm).items() if isinstance(v, torch.Tensor)}
+    verify_graph(gm, inputs)  # a full propagation agrees
+    full = {k: (tuple(v.shape), v.dtype) for k, v in _vals(gm).items() if isinstance(v, torch.Tensor)}
+    assert incremental == full and full["cat"] == ((2, 12), torch.float32)
+
+
+def test_incremental_check_still_rejects_a_shape_error():
+    gm = fx.symbolic_trace(Chain())
+    inputs = (torch.randn(2, 4),)
+    verify_graph(gm, inputs)
+    gm.w2 = nn.Parameter(torch.randn(3, 7))  # no longer matches relu's 6 features
+    with pytest.raises(GraphVerificationError, match="shape propagation failed"):
+        verify_graph(gm, inputs, reuse=True)
