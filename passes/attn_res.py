@@ -3,7 +3,10 @@
 Lowering keeps every depth site (`layers.<i>.attn_res`, `layers.<i>.ffn_res`, `final_res`) as a call
 on the list of all earlier sublayer outputs. Plain residuals become one running sum; attention
 residuals become the sums their source plan names, shared between sites, stacked and mixed by
-k3::attn_res with the site's own query and norm weight.
+k3::attn_res with the site's own query and norm weight. On the CPU target the train and prefill graphs
+normalise each source once: its 1/rms (k3::rms_inv) is computed where it is first read and shared by
+every later site, which mixes with k3::attn_res_normed. The GPU kernel of k3::attn_res normalises in the
+pass over a source that mixes it, and at decode (one token) the per-site op is cheaper than a second one.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ import operator
 import torch
 from torch import fx
 
-from k3compile.ir.inline import inline_call
+from k3compile.ir.inline import attach, holder, inline_call
 from k3compile.ir.pass_manager import GraphPass, PassContext
 from k3compile.modules.attn_res import source_plan
 from k3compile.modules.model import DEPTH_SITES
@@ -53,6 +56,7 @@ def _drop(gm: fx.GraphModule, path: str) -> None:
 def _attention(gm: fx.GraphModule, mixes: list[fx.Node], ctx: PassContext) -> dict[str, int]:
     r = ctx.spec.residual
     sums: dict[tuple[int, ...], fx.Node] = {}
+    rinvs: dict[tuple[fx.Node, float], fx.Node] = {}  # (source, eps) -> its k3::rms_inv, made once
     adds = 0
     for node in mixes:
         (sources,) = node.args
@@ -74,8 +78,35 @@ def _attention(gm: fx.GraphModule, mixes: list[fx.Node], ctx: PassContext) -> di
                         adds += len(key) - 1
                 stacked.append(sums[key])
             stack = gm.graph.call_function(torch.stack, (stacked,))
-        inline_call(gm, node, gm.get_submodule(node.target), node.target, (stack,), {}, method="mix")
+        if ctx.target == "cpu" and ctx.graph != "decode":
+            _mix_normed(gm, node, stack, stacked, rinvs)
+        else:
+            inline_call(gm, node, gm.get_submodule(node.target), node.target, (stack,), {}, method="mix")
     return {"sites": len(mixes), "adds": adds, "attn_res_modules": len(mixes)}
+
+
+def _mix_normed(gm: fx.GraphModule, node: fx.Node, stack: fx.Node, stacked: list[fx.Node], rinvs: dict) -> None:
+    """Replace the site `node` by k3::attn_res_normed over `stack`, each source's k3::rms_inv made once."""
+    path = node.target
+    site = gm.get_submodule(path)
+    eps = site.norm.eps
+    with gm.graph.inserting_before(stack):
+        for src in stacked:
+            if (src, eps) not in rinvs:
+                rinvs[src, eps] = gm.graph.call_function(torch.ops.k3.rms_inv.default, (src, eps))
+    attach(gm, path, holder(site))
+    with gm.graph.inserting_before(node):
+        rinv = gm.graph.call_function(torch.stack, ([rinvs[src, eps] for src in stacked],))
+        params = []
+        for leaf in ("query", "norm.weight"):
+            param = gm.graph.get_attr(f"{path}.{leaf}")
+            param._rename(param.target.replace(".", "_"))
+            param.meta["origin"] = path
+            params.append(param)
+        mixed = gm.graph.call_function(torch.ops.k3.attn_res_normed.default, (stack, rinv, *params))
+    mixed.meta["origin"] = path
+    node.replace_all_uses_with(mixed)
+    gm.graph.erase_node(node)
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:

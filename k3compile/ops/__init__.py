@@ -6,6 +6,7 @@ relies on that). Each op has a PyTorch reference in `k3compile.kernels`.
 
 from k3compile.ops.activations import gelu, situ_glu, swiglu
 from k3compile.ops.attn_res import attn_res
+from k3compile.ops.attn_res_normed import attn_res_normed, rms_inv
 from k3compile.ops.balancing import (
     attach_aux_loss,
     aux_balance_loss,
@@ -28,6 +29,7 @@ __all__ = [
     "add_rms_norm",
     "attach_aux_loss",
     "attn_res",
+    "attn_res_normed",
     "aux_balance_loss",
     "expert_glu",
     "expert_matmul",
@@ -54,6 +56,7 @@ __all__ = [
     "quantile_balance_update",
     "quantile_balance_update_hist",
     "rms_norm",
+    "rms_inv",
     "rms_norm_gate",
     "route",
     "short_conv",

@@ -135,7 +135,8 @@ def define(opset: int, mx: str) -> Library:
 
 
 def _norms(op, k3, mx, lib):
-    """rms_norm, l2_norm, rms_norm_gate, add_rms_norm and attn_res (kernels/norms.py, kernels/attn_res.py)."""
+    """rms_norm, l2_norm, rms_norm_gate, add_rms_norm, attn_res, rms_inv and attn_res_normed (kernels/norms.py,
+    kernels/attn_res.py, kernels/attn_res_normed.py)."""
 
     @onnxscript.script(k3, default_opset=op)
     def rms_norm(x, weight, eps: float) -> FLOAT:
@@ -172,12 +173,29 @@ def _norms(op, k3, mx, lib):
         p = op.Softmax(logits, axis=0)
         return op.CastLike(op.ReduceSum(op.Unsqueeze(p, [-1]) * v, [0], keepdims=0), sources)
 
+    @onnxscript.script(k3, default_opset=op)
+    def rms_inv(x, eps: float) -> FLOAT:
+        """k3::rms_inv: 1 / sqrt(mean(x^2, last dim) + eps) of one AttnRes source [B, T, D] -> [B, T], in fp32."""
+        xf = op.Cast(x, to=F32)
+        return op.Reciprocal(op.Sqrt(op.ReduceMean(xf * xf, [-1], keepdims=0) + eps))
+
+    @onnxscript.script(k3, default_opset=op)
+    def attn_res_normed(sources, rinv, query, norm_weight) -> FLOAT:
+        """k3::attn_res_normed: attn_res with each source's rms_inv given ([S, B, T]), in fp32."""
+        v = op.Cast(sources, to=F32)
+        u = op.Cast(query, to=F32) * op.Cast(norm_weight, to=F32)
+        logits = op.ReduceSum(v * u, [-1], keepdims=0) * op.Cast(rinv, to=F32)
+        p = op.Softmax(logits, axis=0)
+        return op.CastLike(op.ReduceSum(op.Unsqueeze(p, [-1]) * v, [0], keepdims=0), sources)
+
     return {
         "rms_norm": ("rms_norm", rms_norm),
         "l2_norm": ("l2_norm", l2_norm),
         "rms_norm_gate": ("rms_norm_gate", rms_norm_gate),
         "add_rms_norm": ("add_rms_norm", add_rms_norm),
         "attn_res": ("attn_res", attn_res),
+        "rms_inv": ("rms_inv", rms_inv),
+        "attn_res_normed": ("attn_res_normed", attn_res_normed),
     }
 
 

@@ -77,6 +77,12 @@ def table(lib: Library) -> dict[Callable, Callable]:
     def attn_res(sources, query, norm_weight, eps: float, backend: str = "auto"):
         return f["attn_res"](sources, query, norm_weight, eps=eps)
 
+    def rms_inv(x, eps: float, backend: str = "auto"):
+        return f["rms_inv"](x, eps=eps)
+
+    def attn_res_normed(sources, rinv, query, norm_weight, backend: str = "auto"):
+        return f["attn_res_normed"](sources, rinv, query, norm_weight)
+
     def situ_glu(gate, up, beta1: float, beta2: float, backend: str = "auto"):
         return f["situ_glu"](gate, up, beta1=beta1, beta2=beta2)
 
@@ -187,7 +193,7 @@ def table(lib: Library) -> dict[Callable, Callable]:
         "mx_linear": mx_linear, "kda_gate": kda_gate, "kda_chunk": kda_chunk, "kda_decode_step": kda_decode_step,
         "short_conv": short_conv, "mla_attention": mla_attention, "mla_decode_absorbed": mla_decode_absorbed,
         "moe_route": moe_route, "linear_route": linear_route, "moe_dispatch": moe_dispatch,
-        "moe_combine": moe_combine,
+        "moe_combine": moe_combine, "rms_inv": rms_inv, "attn_res_normed": attn_res_normed,
     }
     table = {getattr(K3, name).default: fn for name, fn in translations.items()}
     # aten.to.dtype (`.float()` in emitted code) reaches the exporter untranslated when export skips the

@@ -17,7 +17,7 @@ from onnx import helper
 import k3compile.ops  # noqa: F401
 from k3compile.emit.onnx import functions as F
 from k3compile.emit.onnx import translate
-from k3compile.kernels import activations, attn_res, experts, fused, kda, mla, moe, norms
+from k3compile.kernels import activations, attn_res, attn_res_normed, experts, fused, kda, mla, moe, norms
 from k3compile.kernels import mx as kmx
 from k3compile.kernels import short_conv as sc
 
@@ -99,6 +99,11 @@ def test_norms(lib):
     assert rel(normed, want[0]) < TOL and rel(total, want[1]) == 0
     sources = randn(3, 2, 5, 16, seed=4)
     got = call(lib, "attn_res", [sources.numpy(), w.numpy(), gate[0, 0].numpy()], {"eps": 1e-5})[0]
+    assert rel(got, attn_res.attn_res_ref(sources, w, gate[0, 0], 1e-5)) < TOL
+    rinv = call(lib, "rms_inv", [sources[0].numpy()], {"eps": 1e-5})[0]
+    assert rel(rinv, attn_res_normed.rms_inv_ref(sources[0], 1e-5)) < TOL
+    rinvs = attn_res_normed.rms_inv_ref(sources, 1e-5)
+    got = call(lib, "attn_res_normed", [sources.numpy(), rinvs.numpy(), w.numpy(), gate[0, 0].numpy()], {})[0]
     assert rel(got, attn_res.attn_res_ref(sources, w, gate[0, 0], 1e-5)) < TOL
 
 
