@@ -183,10 +183,112 @@ def test_a_mutating_graph_takes_the_exporters_decomposing_path(tmp_path):
     assert k3check.k3_calls(onnx.load(str(path))) == Counter(rms_norm=1)
 
 
+FP32 = ["quantization.rules=[]", "num_layers=4"]  # k3-tiny without the MX policy (fp32 weights), layers KKKM
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny_path, tmp_path_factory):
+    """(manifest, Library, {graph: (path, ExportGraph)}) of k3-tiny's prefill and decode graphs with fp32 weights."""
+    from k3compile.build import BuildOptions, build
+    from k3compile.loader import load
+    from k3compile.spec.load import load_spec
+
+    dest, manifest = build(load_spec(tiny_path, overrides=FP32), tmp_path_factory.mktemp("fp32"), BuildOptions(mode="infer"))
+    package, lib, out = load(dest), F.define(24, "uint8"), tmp_path_factory.mktemp("onnx")
+    files = {}
+    for kind in ("prefill", "decode"):
+        graph = E.graph_of(package, kind)
+        (path,), _ = E.save(E.finish(E.trace(graph), graph, lib, "inline", manifest), out, kind, "inline")
+        files[kind] = path, graph
+    return manifest, lib, files
+
+
+def _session(path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _max_rel(got, want: torch.Tensor) -> float:
+    want = want.numpy()
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def test_prefill_then_8_decode_steps_in_onnxruntime_match_pytorch(fp32):
+    """An ONNX prefill into zeroed caches, then 8 ONNX decode steps fed their own caches back, against the PyTorch
+    InferenceModel's prefill and decode of the same tokens: logits and caches within 1e-4 relative (fp32)."""
+    from k3compile.modules.model import cache_shapes
+
+    _, _, files = fp32
+    model = files["prefill"][1].module
+    B, T, S, steps = 2, 21, 32, 8
+    tokens = torch.randint(0, model.spec.vocab_size, (B, T + steps), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, cache = model.prefill(tokens[:, :T], max_len=S)
+        prefill = _session(files["prefill"][0])
+        feeds = {name: np.zeros(shape, np.float32) for name, (shape, _) in cache_shapes(model.spec, B, S).items()}
+        got, *state = prefill.run(None, {"tokens": tokens[:, :T].numpy(), **feeds})
+        assert _max_rel(got, want) < 1e-4
+        names = [o.name.removeprefix(E.NEW) for o in prefill.get_outputs()[1:]]
+        assert names == list(feeds)
+        for name, value in zip(names, state):
+            assert _max_rel(value, cache.tensors[name]) < 1e-4, name
+        decode = _session(files["decode"][0])
+        for step in range(steps):
+            token = tokens[:, T + step : T + step + 1]
+            want, cache = model.decode(token, cache)
+            positions = np.full(B, T + step, np.int64)
+            got, *state = decode.run(None, {"tokens": token.numpy(), "positions": positions, **dict(zip(names, state))})
+            assert _max_rel(got, want) < 1e-4, step
+        for name, value in zip(names, state):
+            assert _max_rel(value, cache.tensors[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_check_of_the_serving_graphs(fp32, kind):
+    """--check feeds each graph what serving does: zeroed caches for prefill; for decode, caches PyTorch prefilled
+    from prompts of different lengths, so each sequence attends over its own cache length."""
+    _, lib, files = fp32
+    path, graph = files[kind]
+    found = k3check.check_file(path, graph, lib)
+    assert found["engine"] == "onnxruntime" and found["max_relative_error"] < 1e-4
+    assert set(found["errors"]) == {"logits"} | {E.NEW + n for n in graph.input_names if "." in n}
+    want_inputs = {"tokens": [3, 37]} if kind == "prefill" else {"tokens": [3, 1], "positions": [3]}
+    assert found["inputs"] == want_inputs
+
+
+def test_serving_graphs_names_and_axes(fp32):
+    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+    for kind, head in (("prefill", {"tokens": ["batch", "seq"]}), ("decode", {"tokens": ["batch", 1], "positions": ["batch"]})):
+        model = onnx.load(fp32[2][kind][0])
+        inputs = {i.name: dims(i) for i in model.graph.input if not i.name.startswith(("embed.", "layers.", "lm_head", "final_"))}
+        assert inputs == {**head, "kda_state.0": ["batch", 4, 64, 64], "kda_conv_q.0": ["batch", 256, 3],
+                          "kda_conv_k.0": ["batch", 256, 3], "kda_conv_v.0": ["batch", 256, 3],
+                          **{f"{n}.{i}": inputs[f"{n}.0"] for n in ("kda_state", "kda_conv_q", "kda_conv_k", "kda_conv_v")
+                             for i in (1, 2)}, "mla_cache.3": ["batch", "max_len", 96]}
+        outputs = {o.name: dims(o) for o in model.graph.output}
+        assert outputs.pop("logits") == ["batch", "seq" if kind == "prefill" else 1, 256]
+        assert outputs == {E.NEW + name: shape for name, shape in inputs.items() if "." in name}
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert meta["k3compile.graph"] == kind
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_serving_graphs_k3_calls_match_the_compiled_graph(fp32, kind):
+    manifest, lib, files = fp32
+    compiled = Counter({row["op"].removeprefix("k3::"): row["nodes"]
+                        for row in manifest["binding_table"][kind] if row["op"].startswith("k3::")})
+    calls = k3check.k3_calls(onnx.load(files[kind][0]))
+    assert Counter(lib.ops[name] for name in calls.elements()) == compiled and compiled["attn_res"] == 9
+
+
 @pytest.mark.parametrize("argv,message", [
     (["/nonexistent/build"], "is not a k3compile build"),
     (["BUILD", "--graph", "everything"], "unknown graph 'everything'"),
-    (["BUILD", "--graph", "prefill"], "the build has no prefill graph"),
+    (["BUILD", "--graph", "train"], "the train graph is not exported"),
+    (["BUILD", "--opset", "17", "--mx", "uint8"], "opset 17 is not supported"),
     (["BUILD", "--opset", "21"], "opset 21 is too low for --mx fp4"),
     (["BUILD", "--weights", "half"], "unknown weights mode 'half'"),
     (["BUILD", "--mx", "int4"], "unknown MX representation 'int4'"),
