@@ -284,6 +284,47 @@ def test_serving_graphs_k3_calls_match_the_compiled_graph(fp32, kind):
     assert Counter(lib.ops[name] for name in calls.elements()) == compiled and compiled["attn_res"] == 9
 
 
+# MXFP4 experts with fp32 activations (no MXFP8 fake quantisation, whose rounding ties flip on last-bit differences),
+# two layers (KDA + dense FFN, MLA + MoE): small enough for onnx.reference.
+MXFP4_WEIGHTS = ['quantization.rules=[{match: "layers.*.moe.experts.*", weight: mxfp4, activation: fp32}]',
+                 "num_layers=2", "layout.pattern=KM"]
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tiny_path, tmp_path_factory):
+    """(manifest, infer ExportGraph, its traced model) of the two-layer MXFP4 k3-tiny."""
+    from k3compile.build import BuildOptions, build
+    from k3compile.loader import load
+    from k3compile.spec.load import load_spec
+
+    spec = load_spec(tiny_path, overrides=MXFP4_WEIGHTS)
+    dest, manifest = build(spec, tmp_path_factory.mktemp("mxfp4"), BuildOptions(mode="infer"))
+    graph = E.graph_of(load(dest), "infer")
+    return manifest, graph, E.trace(graph)
+
+
+@pytest.mark.parametrize("mx,engine", [("fp4", "onnx.reference"), ("uint8", "onnxruntime")])
+def test_mxfp4_experts_match_pytorch(mxfp4, tmp_path, mx, engine):
+    """FLOAT4E2M1 + E8M0 through DequantizeLinear(block_size=32): full checker, onnx.reference (onnxruntime's CPU
+    provider has no FP4 DequantizeLinear); --mx uint8: onnxruntime. Both within 1e-4 of PyTorch's MX experts."""
+    manifest, graph, traced = mxfp4
+    lib = F.define(24, mx)
+    (path,), _ = E.save(E.finish(traced.clone(), graph, lib, "inline", manifest), tmp_path, "infer", "inline")
+    found = k3check.check_file(path, graph, lib)
+    assert found["checker"] == "passed (full check)" and found["engine"] == engine
+    assert found["max_relative_error"] < 1e-4
+    assert found["k3_ops"]["mx_expert_glu"] == 1 and found["k3_ops"]["mx_dequantize"] == 1
+    model = onnx.load(str(path))
+    fp4 = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT4E2M1]
+    assert len(fp4) == (3 if mx == "fp4" else 0)  # gate, up and down projections of layer 1's experts
+    if mx == "fp4":
+        decode = next(f for f in model.functions if f.name == "mx_dequantize_e2m1")
+        (node,) = decode.node
+        assert node.op_type == "DequantizeLinear" and "block_size" in {a.name for a in node.attribute}
+        calls = [n for n in model.graph.node if n.op_type == "mx_dequantize_e2m1"]
+        assert [a.i for n in calls for a in n.attribute if a.name == "block"] == [32]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["/nonexistent/build"], "is not a k3compile build"),
     (["BUILD", "--graph", "everything"], "unknown graph 'everything'"),
