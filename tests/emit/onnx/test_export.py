@@ -327,6 +327,7 @@ def test_mxfp4_experts_match_pytorch(mxfp4, tmp_path, mx, engine):
 
 @pytest.mark.parametrize("argv,message", [
     (["/nonexistent/build"], "is not a k3compile build"),
+    (["NOT_A_BUILD"], "is not a k3compile build"),
     (["BUILD", "--graph", "everything"], "unknown graph 'everything'"),
     (["BUILD", "--graph", "train"], "the train graph is not exported"),
     (["BUILD", "--opset", "17", "--mx", "uint8"], "opset 17 is not supported"),
@@ -336,7 +337,9 @@ def test_mxfp4_experts_match_pytorch(mxfp4, tmp_path, mx, engine):
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(cli, tiny_build, tmp_path, argv, message):
     out = tmp_path / "out"
-    argv = [str(tiny_build[0]) if a == "BUILD" else a for a in argv]
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "model.py").write_text("")  # a folder, with a model.py, but not one a build wrote
+    argv = [str(tiny_build[0]) if a == "BUILD" else str(tmp_path / "folder") if a == "NOT_A_BUILD" else a for a in argv]
     rc, stdout, stderr = cli("export", *argv, "-o", out)
     assert rc == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not out.exists()
