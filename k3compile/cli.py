@@ -357,13 +357,16 @@ def _add_export_parser(sub) -> None:
         description="Export a build's compiled graphs to OUT_DIR/<graph>.onnx through torch's ONNX exporter: every "
         "k3 op becomes a local function in domain k3 whose body is standard ONNX, MXFP4 experts FLOAT4E2M1 + E8M0 "
         "through DequantizeLinear (--mx fp4) or packed bytes decoded by standard ops (--mx uint8, which "
-        "onnxruntime runs on CPU). Inputs and outputs are named, batch and sequence axes dynamic, and the build's "
+        "onnxruntime runs on CPU). Inputs and outputs are named (tokens, positions, logits, the caches as "
+        "kda_state.<layer>, ..., mla_cache.<layer> in and new.<name> out), batch and sequence axes dynamic, and the build's "
         "spec hash, compiler, graph and target are in metadata_props.",
     )
     p.add_argument("build", help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
     p.add_argument("-o", "--out", required=True, metavar="OUT_DIR", help="folder for <graph>.onnx (created if missing)")
     p.add_argument("--graph", default="infer", metavar="GRAPH",
-                   help=f"{' | '.join(GRAPHS)} | all (every graph the build has); default infer")
+                   help=f"{' | '.join(GRAPHS)} | all: infer (tokens -> logits), prefill (tokens and zeroed caches -> "
+                   "logits and caches), decode (tokens [batch, 1], positions and caches -> logits and caches); all: "
+                   "every graph the build has (train is not exportable yet); default infer")
     p.add_argument("--weights", default=None, metavar="MODE",
                    help=f"{' | '.join(WEIGHTS)}: initializers in the file (external data past 2 GB), in "
                    "<graph>.onnx.data, or none (structure only: weights become typed inputs); default inline, "

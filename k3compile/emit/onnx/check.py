@@ -2,8 +2,8 @@
 
 1. onnx.checker with full_check (schemas, types, function bodies), from the path so external data counts;
 2. ONNX shape inference in strict mode, into the k3 functions and their Loop and Scan bodies;
-3. when the file holds weights: random tokens through the ONNX model and through the PyTorch module it was
-   exported from. onnxruntime runs it unless it holds FLOAT4E2M1 weights (onnxruntime's CPU provider has no
+3. when the file holds weights: random tokens (and for prefill and decode, caches: see `random_inputs`) through
+   the ONNX model and through the PyTorch module it was exported from; every output is compared. onnxruntime runs it unless it holds FLOAT4E2M1 weights (onnxruntime's CPU provider has no
    FP4 DequantizeLinear), then onnx.reference.ReferenceEvaluator does. The error of each output is reported
    as max|onnx - torch| / max|torch| ("max relative") and ||onnx - torch||_2 / ||torch||_2 ("rms relative").
 
@@ -25,6 +25,8 @@ import torch
 from k3compile.emit.onnx.functions import DOMAIN, Library
 
 CHECK_TOKENS = (3, 37)  # other sizes than the traced ones (2, 100): the axes must really be dynamic
+CHECK_MAX_LEN = 48  # the caches' length (traced: 128)
+CHECK_PROMPTS = (37, 20, 5)  # the decode check's prompt lengths
 SEED = 0
 
 
@@ -50,10 +52,28 @@ def _errors(got: np.ndarray, want: np.ndarray) -> tuple[float, float]:
 
 
 def random_inputs(graph, vocab: int) -> tuple[torch.Tensor, ...]:
-    """Seeded random tokens [3, 37] for a graph whose one input is `tokens`."""
-    if graph.input_names != ("tokens",):
-        raise NotImplementedError(f"numerical check of inputs {graph.input_names}")
-    return (torch.randint(0, vocab, CHECK_TOKENS, generator=torch.Generator().manual_seed(SEED)),)
+    """Seeded inputs for `graph` (an ExportGraph), in its input order.
+
+    infer: random tokens [3, 37]; prefill: the same with zeroed caches of CHECK_MAX_LEN; decode: one random token
+    per sequence after prompts of different lengths (CHECK_PROMPTS, each prefilled by PyTorch into its row),
+    so every sequence reads its own cache length.
+    """
+    gen = torch.Generator().manual_seed(SEED)
+    module = graph.module
+    if graph.kind == "infer":
+        return (torch.randint(0, vocab, CHECK_TOKENS, generator=gen),)
+    if graph.kind == "prefill":
+        tokens = torch.randint(0, vocab, CHECK_TOKENS, generator=gen)
+        cache = module.new_cache(CHECK_TOKENS[0], CHECK_MAX_LEN)
+        return (tokens, *(cache.tensors[name] for name in graph.input_names[1:]))
+    if graph.kind == "decode":
+        device = next(iter(module.state_dict().values())).device
+        prompts = [torch.randint(0, vocab, (n,), generator=gen).to(device) for n in CHECK_PROMPTS]
+        with torch.no_grad():
+            _, cache = module.prefill_batch(prompts, CHECK_MAX_LEN)
+        tokens = torch.randint(0, vocab, (len(prompts), 1), generator=gen)
+        return (tokens, cache.positions.clone(), *(cache.tensors[name] for name in graph.input_names[2:]))
+    raise NotImplementedError(f"numerical check of the {graph.kind} graph")
 
 
 def run_onnx(path: Path, feeds: dict[str, np.ndarray], reference: bool) -> tuple[list[np.ndarray], str]:
@@ -100,16 +120,17 @@ def check_file(path: Path, graph, lib: Library, numerics: bool = True, target: s
     }
     device = reference_device(target)
     if numerics and device is not None:
+        graph.module.to(device)
         inputs = random_inputs(graph, int(graph.module.spec.vocab_size))
         with torch.no_grad():
             want = graph.module.to(device)(*(t.to(device) for t in inputs))
         want = [want] if isinstance(want, torch.Tensor) else list(want)
-        feeds = {name: t.numpy() for name, t in zip(graph.input_names, inputs)}
+        feeds = {name: t.cpu().numpy() for name, t in zip(graph.input_names, inputs)}
         got, engine = run_onnx(path, feeds, reference=_holds_fp4(model))
         errors = {name: _errors(g, w.float().cpu().numpy()) for name, g, w in zip(graph.output_names, got, want)}
         found.update(
             engine=engine,
-            inputs={name: list(t.shape) for name, t in zip(graph.input_names, inputs)},
+            inputs={name: list(t.shape) for name, t in zip(graph.input_names, inputs) if "." not in name},
             max_relative_error=max(e[0] for e in errors.values()),
             rms_relative_error=max(e[1] for e in errors.values()),
             errors={name: {"max_relative": e[0], "rms_relative": e[1]} for name, e in errors.items()},

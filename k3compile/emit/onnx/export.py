@@ -46,6 +46,7 @@ import onnx_ir.passes.common
 import torch
 from onnxscript import version_converter
 from torch import nn
+from torch.export.graph_signature import TensorArgument
 from torch.onnx._internal.exporter import _core, _fx_passes, _registration
 
 from k3compile.emit.onnx import DEFAULT_OPSET, FP4_MIN_OPSET, GRAPHS, MAX_OPSET, MIN_OPSET, MX_REPRESENTATIONS, WEIGHTS
@@ -88,39 +89,85 @@ class Exported:
 
 
 def available_graphs(package: ModuleType) -> list[str]:
-    """The graph kinds an emitted package provides (today: infer, when it has an InferenceModel)."""
-    return ["infer"] if hasattr(package, "InferenceModel") else []
+    """The graph kinds an emitted package provides: infer, prefill and decode, when it has an InferenceModel."""
+    return list(SERVING_GRAPHS) if hasattr(package, "InferenceModel") else []
+
+
+SERVING_GRAPHS = ("infer", "prefill", "decode")
+EXAMPLE_MAX_LEN = 128  # the MLA caches' length when traced: above the example tokens, so it stays its own axis
+NEW = "new."  # a cache output's name: the input's with this prefix (ONNX names one value once)
 
 
 @lru_cache(maxsize=None)
-def _prefill_logits(cls: type) -> type:
-    """`cls` whose forward is its prefill graph from empty caches, logits only: what torch.export traces."""
+def _graph_class(cls: type, kind: str, caches: tuple[str, ...]) -> type:
+    """`cls` whose forward is its `kind` graph over flat tensors, what torch.export traces: "infer" tokens ->
+    logits from empty caches; "prefill" (tokens, *caches) -> (logits, *caches); "decode" (tokens, positions,
+    *caches) -> (logits, *caches). The decode graph writes its MLA caches in place; they are copied first, so
+    the graph reads its inputs and returns new caches (the copy and the write become one ScatterElements)."""
     from k3compile.modules.model import empty_caches
 
-    def forward(self, tokens):
-        caches = empty_caches(self.spec, tokens.shape[0], tokens.shape[1], tokens.device, self.embed.weight.dtype)
-        return self.prefill_graph(tokens, caches)[0]
+    if kind == "infer":
+        def forward(self, tokens):
+            fresh = empty_caches(self.spec, tokens.shape[0], tokens.shape[1], tokens.device, self.embed.weight.dtype)
+            return self.prefill_graph(tokens, fresh)[0]
+    elif kind == "prefill":
+        def forward(self, tokens, *state):
+            logits, new = self.prefill_graph(tokens, dict(zip(caches, state, strict=True)))
+            return (logits, *(new[name] for name in caches))
+    else:
+        def forward(self, tokens, positions, *state):
+            state = [t.clone() if name.startswith("mla_cache.") else t for name, t in zip(caches, state, strict=True)]
+            logits, new = self.decode_graph(tokens, positions, dict(zip(caches, state)))
+            return (logits, *(new[name] for name in caches))
 
-    return type(f"{cls.__name__}Prefill", (cls,), {"forward": forward})
+    return type(f"{cls.__name__}{kind.title()}", (cls,), {"forward": forward})
 
 
 def graph_of(package: ModuleType, kind: str) -> ExportGraph:
     """The `kind` graph of an emitted package, ready for torch.export.
 
-    "infer" is the compiled prefill graph from empty caches: tokens [batch, seq] -> logits [batch, seq, vocab]
-    (every pass, MXFP4-packed experts). The decode and train graphs plug in here, with their cache inputs
-    and outputs named (kda_state.<layer>, mla_cache.<layer>).
+    - "infer": the compiled prefill graph from empty caches, tokens [batch, seq] -> logits [batch, seq, vocab];
+    - "prefill": tokens and the caches to fill (zeros; the MLA caches' length max_len is the room for decoding)
+      -> logits and the filled caches;
+    - "decode": one token per sequence [batch, 1], its position [batch] and the caches -> logits [batch, 1,
+      vocab] and the caches moved on by one.
+    Caches are named as k3compile.modules.model.cache_shapes names them (kda_state.<layer>,
+    kda_conv_q.<layer>, ..., mla_cache.<layer>), outputs with the prefix "new.".
     """
+    from k3compile.modules.model import cache_shapes
+
+    if kind == "train" and hasattr(package, "Model"):
+        raise ExportError("the train graph is not exported: its Quantile Balancing update "
+                          "(k3::quantile_balance_update, a buffer write) has no ONNX translation")
     if kind not in available_graphs(package):
         have = ", ".join(available_graphs(package)) or "none"
         raise ExportError(f"the build has no {kind} graph (graphs in this build: {have})")
     model = package.InferenceModel().eval()
-    model.__class__ = _prefill_logits(type(model))  # same tensors and names, forward = the prefill graph
+    shapes = cache_shapes(model.spec, EXAMPLE_TOKENS[0], EXAMPLE_MAX_LEN)
+    names = tuple(shapes)
+    model.__class__ = _graph_class(type(model), kind, names)  # same tensors and names, forward = the graph
     device = next(iter(model.state_dict().values())).device
-    tokens = torch.zeros(EXAMPLE_TOKENS, dtype=torch.long, device=device)
     dynamic = torch.export.Dim.DYNAMIC
-    return ExportGraph(kind, model, (tokens,), ("tokens",), ("logits",), ({0: dynamic, 1: dynamic},),
-                       {"tokens": ("batch", "seq")})
+    batch = EXAMPLE_TOKENS[0]
+    if kind == "infer":
+        tokens = torch.zeros(EXAMPLE_TOKENS, dtype=torch.long, device=device)
+        return ExportGraph(kind, model, (tokens,), ("tokens",), ("logits",), ({0: dynamic, 1: dynamic},),
+                           {"tokens": ("batch", "seq")})
+    dtype = model.embed.weight.dtype
+    state = tuple(torch.zeros(shape, dtype=dt if name.startswith("kda_state.") else dtype, device=device)
+                  for name, (shape, dt) in shapes.items())
+    state_axes = tuple({0: dynamic, 1: dynamic} if name.startswith("mla_cache.") else {0: dynamic} for name in names)
+    axis_names = {name: ("batch", "max_len") if name.startswith("mla_cache.") else ("batch",) for name in names}
+    outputs = ("logits",) + tuple(NEW + name for name in names)
+    if kind == "prefill":
+        tokens = torch.zeros(EXAMPLE_TOKENS, dtype=torch.long, device=device)
+        return ExportGraph(kind, model, (tokens, *state), ("tokens",) + names, outputs,
+                           ({0: dynamic, 1: dynamic}, state_axes), {"tokens": ("batch", "seq"), **axis_names})
+    tokens = torch.zeros((batch, 1), dtype=torch.long, device=device)
+    positions = torch.full((batch,), EXAMPLE_TOKENS[1], dtype=torch.long, device=device)
+    return ExportGraph(kind, model, (tokens, positions, *state), ("tokens", "positions") + names, outputs,
+                       ({0: dynamic}, {0: dynamic}, state_axes),
+                       {"tokens": ("batch",), "positions": ("batch",), **axis_names})
 
 
 def _load_build(build: str | Path) -> tuple[ModuleType, dict]:
@@ -217,6 +264,7 @@ def trace(g: ExportGraph) -> ir.Model:
         for target, translation in translate.table(_recording_library()).items():
             registry.register_op(target, translation)
         program = torch.export.export(g.module, g.args, dynamic_shapes=g.dynamic_shapes, strict=False)
+        _write_copies_functionally(program)
         if _translatable_as_captured(program.graph, registry):
             _prepare_captured(program)
             model = _core._exported_program_to_onnx_program(program, registry=registry).model
@@ -235,17 +283,51 @@ _ASSERTIONS = (torch.ops.aten._assert_tensor_metadata.default, torch.ops.aten._a
 
 
 def _translatable_as_captured(graph: torch.fx.Graph, registry) -> bool:
-    """No op mutates, and every op has a translation, is an assertion, or computes a dtype (folded)."""
+    """No op mutates, and every op (or size arithmetic) has a translation, is an assertion, or computes a dtype
+    (folded)."""
     for node in graph.nodes:
         if node.op != "call_function" or node.target is operator.getitem or node.target in _ASSERTIONS:
             continue
         if node.target is torch.ops.aten.promote_types.default:
             continue
-        if not isinstance(node.target, torch._ops.OpOverload) or node.target._schema.is_mutable:
+        if not isinstance(node.target, torch._ops.OpOverload):  # size arithmetic (operator.mul) is translated
+            if registry.is_registered(node.target):
+                continue
+            return False
+        if node.target._schema.is_mutable:
             return False
         if not registry.is_registered(node.target):
             return False
     return True
+
+
+def _write_copies_functionally(program: torch.export.ExportedProgram) -> None:
+    """An in-place ATen op whose target is a fresh copy no one else reads (`cache.clone().scatter_(...)`) becomes
+    the op's functional form on the original: the same values, and no mutation left to functionalise."""
+    gm = program.graph_module
+    renamed = {}
+    for node in list(gm.graph.nodes):
+        target = node.target
+        if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
+            continue
+        name = target._schema.name.removeprefix("aten::")
+        copy = node.args[0]
+        if not name.endswith("_") or target.namespace != "aten" or not isinstance(copy, torch.fx.Node):
+            continue
+        functional = getattr(getattr(torch.ops.aten, name[:-1], None), target._overloadname, None)
+        if copy.target is not torch.ops.aten.clone.default or len(copy.users) != 1 or functional is None:
+            continue
+        with gm.graph.inserting_before(node):
+            replacement = gm.graph.call_function(functional, (copy.args[0], *node.args[1:]), node.kwargs)
+        replacement.meta = dict(node.meta)
+        node.replace_all_uses_with(replacement)
+        renamed[node.name] = replacement.name
+        gm.graph.erase_node(node)
+        gm.graph.erase_node(copy)
+    for spec in program.graph_signature.output_specs:  # outputs are named by their node
+        if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
+            spec.arg = TensorArgument(name=renamed[spec.arg.name])
+    gm.recompile()
 
 
 def _prepare_captured(program: torch.export.ExportedProgram) -> None:

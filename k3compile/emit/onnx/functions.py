@@ -573,9 +573,21 @@ def _mla(op, k3, mx, lib):
         return op.CastLike(op.Transpose(o, perm=[0, 2, 1, 3]), q)
 
     @onnxscript.script(k3, default_opset=op)
-    def mla_decode_absorbed(q, latent, w_kvb, scale: float) -> FLOAT:
-        """k3::mla_decode_absorbed: attention over the latent cache [c_kv | k_pe] [B, S, L + R] with kv_b_proj
-        [H (N + V), L] folded into the query (q_lat = W_uk^T q_nope) and applied after (o = W_uv P c_kv)."""
+    def offset_softmax(scores, first) -> FLOAT:
+        """Softmax over the keys of scores [B, H, T, S] where query t sits at position first + t and sees keys up
+        to it; `first` broadcasts against [B, 1, 1, 1] (helper)."""
+        s = op.Squeeze(op.Shape(scores, start=-1), [0])
+        t = op.Squeeze(op.Shape(scores, start=-2, end=-1), [0])
+        zero = op.Constant(value_int=0)
+        one = op.Constant(value_int=1)
+        key_pos = op.Unsqueeze(op.Range(zero, s, one), [0])  # [1, S]
+        query_pos = op.Unsqueeze(op.Range(zero, t, one), [1]) + first  # [T, 1] or [B, 1, T, 1]
+        return op.Softmax(op.Where(op.LessOrEqual(key_pos, query_pos), scores, NEG_INF), axis=-1)
+
+    @onnxscript.script(k3, default_opset=op)
+    def mla_absorbed(q, latent, w_kvb, first, scale: float) -> FLOAT:
+        """Absorbed attention over the latent cache [c_kv | k_pe] [B, S, L + R], query t at position first + t:
+        kv_b_proj [H (N + V), L] folded into the query (q_lat = W_uk^T q_nope) and applied after (o = W_uv P c_kv)."""
         qf = op.Transpose(op.Cast(q, to=F32), perm=[0, 2, 1, 3])  # [B, H, T, N + R]
         lat = op.Unsqueeze(op.Cast(latent, to=F32), [1])  # [B, 1, S, L + R]
         width = op.Shape(w_kvb, start=1)  # L
@@ -590,14 +602,30 @@ def _mla(op, k3, mx, lib):
         q_lat = op.MatMul(op.Slice(qf, [0], n, [-1]), w_uk)  # [B, H, T, L]
         scores = op.MatMul(q_lat, op.Transpose(c_kv, perm=[0, 1, 3, 2]))
         scores = scores + op.MatMul(op.Slice(qf, n, op.Constant(value=TO_END), [-1]), op.Transpose(k_pe, perm=[0, 1, 3, 2]))
-        o_lat = op.MatMul(causal_softmax(scores * scale), c_kv)  # [B, H, T, L]
+        o_lat = op.MatMul(offset_softmax(scores * scale, first), c_kv)  # [B, H, T, L]
         o = op.MatMul(o_lat, op.Transpose(w_uv, perm=[0, 2, 1]))  # [B, H, T, V]
         return op.CastLike(op.Transpose(o, perm=[0, 2, 1, 3]), q)
+
+    @onnxscript.script(k3, default_opset=op)
+    def mla_decode_absorbed(q, latent, w_kvb, scale: float) -> FLOAT:
+        """k3::mla_decode_absorbed over a full cache: the T queries are the last T of the S positions."""
+        first = op.Shape(latent, start=1, end=2) - op.Shape(q, start=1, end=2)
+        return mla_absorbed(q, latent, w_kvb, first, scale=scale)
+
+    @onnxscript.script(k3, default_opset=op)
+    def mla_decode_absorbed_lengths(q, latent, w_kvb, lengths, scale: float) -> FLOAT:
+        """k3::mla_decode_absorbed over a preallocated cache: sequence b holds lengths[b] valid rows, its T
+        queries the last T of them."""
+        first = op.Reshape(lengths - op.Shape(q, start=1, end=2), op.Constant(value_ints=[-1, 1, 1, 1]))
+        return mla_absorbed(q, latent, w_kvb, first, scale=scale)
 
     return {
         "causal_softmax": (None, causal_softmax),
         "mla_attention": ("mla_attention", mla_attention),
+        "offset_softmax": (None, offset_softmax),
+        "mla_absorbed": (None, mla_absorbed),
         "mla_decode_absorbed": ("mla_decode_absorbed", mla_decode_absorbed),
+        "mla_decode_absorbed_lengths": ("mla_decode_absorbed", mla_decode_absorbed_lengths),
     }
 
 

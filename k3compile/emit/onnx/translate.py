@@ -154,8 +154,10 @@ def table(lib: Library) -> dict[Callable, Callable]:
     def mla_attention(q, k_nope, k_pe, v, scale: float, backend: str = "auto"):
         return f["mla_attention"](q, k_nope, k_pe, v, scale=scale)
 
-    def mla_decode_absorbed(q, latent, w_kvb, scale: float, backend: str = "auto"):
-        return f["mla_decode_absorbed"](q, latent, w_kvb, scale=scale)
+    def mla_decode_absorbed(q, latent, w_kvb, scale: float, lengths=None, backend: str = "auto"):
+        if lengths is None:
+            return f["mla_decode_absorbed"](q, latent, w_kvb, scale=scale)
+        return f["mla_decode_absorbed_lengths"](q, latent, w_kvb, lengths, scale=scale)
 
     def _route(name, x_or_logits, *weight, bias, top_k, scoring, renormalize, routed_scale):
         if scoring not in ("sigmoid", "softmax"):

@@ -183,17 +183,163 @@ def test_a_mutating_graph_takes_the_exporters_decomposing_path(tmp_path):
     assert k3check.k3_calls(onnx.load(str(path))) == Counter(rms_norm=1)
 
 
+FP32 = ["quantization.rules=[]", "num_layers=4"]  # k3-tiny without the MX policy (fp32 weights), layers KKKM
+
+
+@pytest.fixture(scope="module")
+def fp32(tiny_path, tmp_path_factory):
+    """(manifest, Library, {graph: (path, ExportGraph)}) of k3-tiny's prefill and decode graphs with fp32 weights."""
+    from k3compile.build import BuildOptions, build
+    from k3compile.loader import load
+    from k3compile.spec.load import load_spec
+
+    dest, manifest = build(load_spec(tiny_path, overrides=FP32), tmp_path_factory.mktemp("fp32"), BuildOptions(mode="infer"))
+    package, lib, out = load(dest), F.define(24, "uint8"), tmp_path_factory.mktemp("onnx")
+    files = {}
+    for kind in ("prefill", "decode"):
+        graph = E.graph_of(package, kind)
+        (path,), _ = E.save(E.finish(E.trace(graph), graph, lib, "inline", manifest), out, kind, "inline")
+        files[kind] = path, graph
+    return manifest, lib, files
+
+
+def _session(path):
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    return ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+
+
+def _max_rel(got, want: torch.Tensor) -> float:
+    want = want.numpy()
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def test_prefill_then_8_decode_steps_in_onnxruntime_match_pytorch(fp32):
+    """An ONNX prefill into zeroed caches, then 8 ONNX decode steps fed their own caches back, against the PyTorch
+    InferenceModel's prefill and decode of the same tokens: logits and caches within 1e-4 relative (fp32)."""
+    from k3compile.modules.model import cache_shapes
+
+    _, _, files = fp32
+    model = files["prefill"][1].module
+    B, T, S, steps = 2, 21, 32, 8
+    tokens = torch.randint(0, model.spec.vocab_size, (B, T + steps), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want, cache = model.prefill(tokens[:, :T], max_len=S)
+        prefill = _session(files["prefill"][0])
+        feeds = {name: np.zeros(shape, np.float32) for name, (shape, _) in cache_shapes(model.spec, B, S).items()}
+        got, *state = prefill.run(None, {"tokens": tokens[:, :T].numpy(), **feeds})
+        assert _max_rel(got, want) < 1e-4
+        names = [o.name.removeprefix(E.NEW) for o in prefill.get_outputs()[1:]]
+        assert names == list(feeds)
+        for name, value in zip(names, state):
+            assert _max_rel(value, cache.tensors[name]) < 1e-4, name
+        decode = _session(files["decode"][0])
+        for step in range(steps):
+            token = tokens[:, T + step : T + step + 1]
+            want, cache = model.decode(token, cache)
+            positions = np.full(B, T + step, np.int64)
+            got, *state = decode.run(None, {"tokens": token.numpy(), "positions": positions, **dict(zip(names, state))})
+            assert _max_rel(got, want) < 1e-4, step
+        for name, value in zip(names, state):
+            assert _max_rel(value, cache.tensors[name]) < 1e-4, name
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_check_of_the_serving_graphs(fp32, kind):
+    """--check feeds each graph what serving does: zeroed caches for prefill; for decode, caches PyTorch prefilled
+    from prompts of different lengths, so each sequence attends over its own cache length."""
+    _, lib, files = fp32
+    path, graph = files[kind]
+    found = k3check.check_file(path, graph, lib)
+    assert found["engine"] == "onnxruntime" and found["max_relative_error"] < 1e-4
+    assert set(found["errors"]) == {"logits"} | {E.NEW + n for n in graph.input_names if "." in n}
+    want_inputs = {"tokens": [3, 37]} if kind == "prefill" else {"tokens": [3, 1], "positions": [3]}
+    assert found["inputs"] == want_inputs
+
+
+def test_serving_graphs_names_and_axes(fp32):
+    dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
+    for kind, head in (("prefill", {"tokens": ["batch", "seq"]}), ("decode", {"tokens": ["batch", 1], "positions": ["batch"]})):
+        model = onnx.load(fp32[2][kind][0])
+        inputs = {i.name: dims(i) for i in model.graph.input if not i.name.startswith(("embed.", "layers.", "lm_head", "final_"))}
+        assert inputs == {**head, "kda_state.0": ["batch", 4, 64, 64], "kda_conv_q.0": ["batch", 256, 3],
+                          "kda_conv_k.0": ["batch", 256, 3], "kda_conv_v.0": ["batch", 256, 3],
+                          **{f"{n}.{i}": inputs[f"{n}.0"] for n in ("kda_state", "kda_conv_q", "kda_conv_k", "kda_conv_v")
+                             for i in (1, 2)}, "mla_cache.3": ["batch", "max_len", 96]}
+        outputs = {o.name: dims(o) for o in model.graph.output}
+        assert outputs.pop("logits") == ["batch", "seq" if kind == "prefill" else 1, 256]
+        assert outputs == {E.NEW + name: shape for name, shape in inputs.items() if "." in name}
+        meta = {p.key: p.value for p in model.metadata_props}
+        assert meta["k3compile.graph"] == kind
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode"])
+def test_serving_graphs_k3_calls_match_the_compiled_graph(fp32, kind):
+    manifest, lib, files = fp32
+    compiled = Counter({row["op"].removeprefix("k3::"): row["nodes"]
+                        for row in manifest["binding_table"][kind] if row["op"].startswith("k3::")})
+    calls = k3check.k3_calls(onnx.load(files[kind][0]))
+    assert Counter(lib.ops[name] for name in calls.elements()) == compiled and compiled["attn_res"] == 9
+
+
+# MXFP4 experts with fp32 activations (no MXFP8 fake quantisation, whose rounding ties flip on last-bit differences),
+# two layers (KDA + dense FFN, MLA + MoE): small enough for onnx.reference.
+MXFP4_WEIGHTS = ['quantization.rules=[{match: "layers.*.moe.experts.*", weight: mxfp4, activation: fp32}]',
+                 "num_layers=2", "layout.pattern=KM"]
+
+
+@pytest.fixture(scope="module")
+def mxfp4(tiny_path, tmp_path_factory):
+    """(manifest, infer ExportGraph, its traced model) of the two-layer MXFP4 k3-tiny."""
+    from k3compile.build import BuildOptions, build
+    from k3compile.loader import load
+    from k3compile.spec.load import load_spec
+
+    spec = load_spec(tiny_path, overrides=MXFP4_WEIGHTS)
+    dest, manifest = build(spec, tmp_path_factory.mktemp("mxfp4"), BuildOptions(mode="infer"))
+    graph = E.graph_of(load(dest), "infer")
+    return manifest, graph, E.trace(graph)
+
+
+@pytest.mark.parametrize("mx,engine", [("fp4", "onnx.reference"), ("uint8", "onnxruntime")])
+def test_mxfp4_experts_match_pytorch(mxfp4, tmp_path, mx, engine):
+    """FLOAT4E2M1 + E8M0 through DequantizeLinear(block_size=32): full checker, onnx.reference (onnxruntime's CPU
+    provider has no FP4 DequantizeLinear); --mx uint8: onnxruntime. Both within 1e-4 of PyTorch's MX experts."""
+    manifest, graph, traced = mxfp4
+    lib = F.define(24, mx)
+    (path,), _ = E.save(E.finish(traced.clone(), graph, lib, "inline", manifest), tmp_path, "infer", "inline")
+    found = k3check.check_file(path, graph, lib)
+    assert found["checker"] == "passed (full check)" and found["engine"] == engine
+    assert found["max_relative_error"] < 1e-4
+    assert found["k3_ops"]["mx_expert_glu"] == 1 and found["k3_ops"]["mx_dequantize"] == 1
+    model = onnx.load(str(path))
+    fp4 = [t.name for t in model.graph.initializer if t.data_type == onnx.TensorProto.FLOAT4E2M1]
+    assert len(fp4) == (3 if mx == "fp4" else 0)  # gate, up and down projections of layer 1's experts
+    if mx == "fp4":
+        decode = next(f for f in model.functions if f.name == "mx_dequantize_e2m1")
+        (node,) = decode.node
+        assert node.op_type == "DequantizeLinear" and "block_size" in {a.name for a in node.attribute}
+        calls = [n for n in model.graph.node if n.op_type == "mx_dequantize_e2m1"]
+        assert [a.i for n in calls for a in n.attribute if a.name == "block"] == [32]
+
+
 @pytest.mark.parametrize("argv,message", [
     (["/nonexistent/build"], "is not a k3compile build"),
+    (["NOT_A_BUILD"], "is not a k3compile build"),
     (["BUILD", "--graph", "everything"], "unknown graph 'everything'"),
-    (["BUILD", "--graph", "prefill"], "the build has no prefill graph"),
+    (["BUILD", "--graph", "train"], "the train graph is not exported"),
+    (["BUILD", "--opset", "17", "--mx", "uint8"], "opset 17 is not supported"),
     (["BUILD", "--opset", "21"], "opset 21 is too low for --mx fp4"),
     (["BUILD", "--weights", "half"], "unknown weights mode 'half'"),
     (["BUILD", "--mx", "int4"], "unknown MX representation 'int4'"),
 ])
 def test_bad_input_is_one_line_exit_2_and_writes_nothing(cli, tiny_build, tmp_path, argv, message):
     out = tmp_path / "out"
-    argv = [str(tiny_build[0]) if a == "BUILD" else a for a in argv]
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "model.py").write_text("")  # a folder, with a model.py, but not one a build wrote
+    argv = [str(tiny_build[0]) if a == "BUILD" else str(tmp_path / "folder") if a == "NOT_A_BUILD" else a for a in argv]
     rc, stdout, stderr = cli("export", *argv, "-o", out)
     assert rc == 2 and message in stderr and len(stderr.strip().splitlines()) == 1, stderr
     assert not out.exists()

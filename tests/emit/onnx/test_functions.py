@@ -226,6 +226,10 @@ def test_mla(lib):
     latent, w_kvb = randn(B, S, L + R, seed=4), randn(H * (N + V), L, seed=5)
     got = call(lib, "mla_decode_absorbed", [q.numpy(), latent.numpy(), w_kvb.numpy()], {"scale": 0.3})[0]
     assert rel(got, mla.mla_decode_absorbed_ref(q, latent, w_kvb, 0.3)) < TOL
+    lengths = torch.tensor([S, 6])  # a preallocated cache: the second sequence holds 6 of its S rows
+    got = call(lib, "mla_decode_absorbed_lengths", [q.numpy(), latent.numpy(), w_kvb.numpy(), lengths.numpy()],
+               {"scale": 0.3})[0]
+    assert rel(got, mla.mla_decode_absorbed_ref(q, latent, w_kvb, 0.3, lengths)) < TOL
 
 
 @pytest.mark.parametrize("scoring", ["sigmoid", "softmax"])
