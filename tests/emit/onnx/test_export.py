@@ -281,7 +281,9 @@ def test_serving_graphs_k3_calls_match_the_compiled_graph(fp32, kind):
     compiled = Counter({row["op"].removeprefix("k3::"): row["nodes"]
                         for row in manifest["binding_table"][kind] if row["op"].startswith("k3::")})
     calls = k3check.k3_calls(onnx.load(files[kind][0]))
-    assert Counter(lib.ops[name] for name in calls.elements()) == compiled and compiled["attn_res"] == 9
+    assert Counter(lib.ops[name] for name in calls.elements()) == compiled
+    # 4 layers: 9 depth sites, mixed by attn_res_normed on the CPU target's prefill, by attn_res at decode
+    assert compiled["attn_res_normed" if kind == "prefill" else "attn_res"] == 9
 
 
 # MXFP4 experts with fp32 activations (no MXFP8 fake quantisation, whose rounding ties flip on last-bit differences),
