@@ -31,6 +31,20 @@ def rope_ref(x: Tensor, start_pos: int, theta: float) -> Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
 
 
+def rope_at_ref(x: Tensor, positions_B: Tensor, theta: float) -> Tensor:
+    """`rope_ref` for one token per sequence, each at its own position: x [B, 1, ..., R], positions [B].
+
+    The decode step's form: positions are a tensor, so the step keeps static shapes and reads no host value.
+    """
+    R = x.shape[-1]
+    xf = upcast(x)
+    inv_freq = theta ** (-torch.arange(0, R // 2, device=x.device, dtype=xf.dtype) * 2 / R)
+    angle = (positions_B.to(xf.dtype)[:, None] * inv_freq[None, :]).view((-1, 1) + (1,) * (x.dim() - 3) + (R // 2,))
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    x1, x2 = xf[..., : R // 2], xf[..., R // 2 :]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
 def _causal_softmax(scores_BHTS: Tensor, lengths_B: Tensor | None = None) -> Tensor:
     """Softmax over keys with the causal mask for queries at the last T of each sequence's valid keys.
 

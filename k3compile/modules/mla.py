@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from k3compile.modules.norms import RMSNorm
-from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope
+from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
 
 
 class MLAMixer(nn.Module):
@@ -75,8 +75,6 @@ class MLAMixer(nn.Module):
         self, x_BTD: Tensor, cache: Tensor | None = None, start_pos: int = 0, positions: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         B, T, _ = x_BTD.shape
-        if positions is not None and self.rope:
-            raise ValueError("mla.rope: the static decode step (positions=) supports NoPE MLA only")
         H, N, L = self.num_heads, self.nope_dim, self.kv_lora_rank
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x_BTD)))
@@ -84,7 +82,10 @@ class MLAMixer(nn.Module):
             q = self.q_proj(x_BTD)
         q_BTHK = q.reshape(B, T, H, N + self.rope_dim)
         c_kv, k_pe = self.kv_a_proj(x_BTD).split([L, self.rope_dim], dim=-1)
-        if self.rope:
+        if self.rope and positions is not None:  # the decode step: each sequence at its own position
+            q_BTHK = torch.cat([q_BTHK[..., :N], mla_rope_at(q_BTHK[..., N:], positions, self.rope_theta)], dim=-1)
+            k_pe = mla_rope_at(k_pe, positions, self.rope_theta)
+        elif self.rope:
             q_BTHK = torch.cat([q_BTHK[..., :N], mla_rope(q_BTHK[..., N:], start_pos, self.rope_theta)], dim=-1)
             k_pe = mla_rope(k_pe, start_pos, self.rope_theta)
         latent_BTC = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)

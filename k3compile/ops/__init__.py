@@ -19,7 +19,7 @@ from k3compile.ops.balancing import (
 from k3compile.ops.experts import expert_glu, expert_matmul, mx_expert_glu, mx_expert_matmul
 from k3compile.ops.fused import linear_glu
 from k3compile.ops.kda import kda, kda_decode_step, kda_gate
-from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope
+from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
 from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, route
 from k3compile.ops.mx import mx_dequantize, mx_fake_quantize, mx_linear, mx_quantize
 from k3compile.ops.norms import add_rms_norm, l2_norm, rms_norm, rms_norm_gate
@@ -43,6 +43,7 @@ __all__ = [
     "mla_attention",
     "mla_decode_absorbed",
     "mla_rope",
+    "mla_rope_at",
     "moe_combine",
     "moe_dispatch",
     "mx_dequantize",

@@ -1,4 +1,5 @@
-"""k3 MLA ops: mla_attention (expanded, prefill/training), mla_decode_absorbed (latent cache) and mla_rope."""
+"""k3 MLA ops: mla_attention (expanded, prefill/training), mla_decode_absorbed (latent cache), mla_rope and
+mla_rope_at (rotary embedding at one position per sequence, for the decode step)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,11 @@ def mla_rope_op(x: Tensor, start_pos: int, theta: float) -> Tensor:
     return ref.rope_ref(x, start_pos, theta)
 
 
+@k3_op("mla_rope_at", fake=lambda x, positions_B, theta: torch.empty_like(x))
+def mla_rope_at_op(x: Tensor, positions_B: Tensor, theta: float) -> Tensor:
+    return ref.rope_at_ref(x, positions_B, theta)
+
+
 def mla_attention(
     q_BTHK: Tensor, k_nope_BSHN: Tensor, k_pe_BSR: Tensor, v_BSHV: Tensor, scale: float, *, backend: str = "auto"
 ) -> Tensor:
@@ -64,3 +70,8 @@ def mla_decode_absorbed(
 def mla_rope(x: Tensor, start_pos: int, theta: float, *, backend: str = "auto") -> Tensor:
     """Half-split rotary embedding of x [B, T, ..., R] at positions start_pos .. start_pos + T - 1."""
     return torch.ops.k3.mla_rope.default(x, start_pos, theta, backend=backend)
+
+
+def mla_rope_at(x: Tensor, positions_B: Tensor, theta: float, *, backend: str = "auto") -> Tensor:
+    """mla_rope of one token per sequence x [B, 1, ..., R], sequence b at position positions_B[b] (decoding)."""
+    return torch.ops.k3.mla_rope_at.default(x, positions_B, theta, backend=backend)

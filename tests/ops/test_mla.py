@@ -130,3 +130,18 @@ def test_symbolic_trace_and_compile():
     torch.testing.assert_close(out, _all_ops(q, lat, w_kvb, k_nope, v))
     out.sum().backward()
     assert q.grad is not None
+
+
+def test_rope_at_positions_equals_rope_at_each_start():
+    """The decode step's rotary embedding (one token per sequence, positions a tensor) is rope at that start."""
+    from k3compile.ops.mla import mla_rope, mla_rope_at
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 1, 4, 16, generator=g)
+    positions = torch.tensor([0, 7, 300])
+    got = mla_rope_at(x, positions, 10000.0)
+    want = torch.cat([mla_rope(x[b : b + 1], int(p), 10000.0) for b, p in enumerate(positions)])
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    k = torch.randn(3, 1, 16, generator=g)  # k_pe: no head dim
+    torch.testing.assert_close(mla_rope_at(k, positions, 500.0),
+                               torch.cat([mla_rope(k[b : b + 1], int(p), 500.0) for b, p in enumerate(positions)]))

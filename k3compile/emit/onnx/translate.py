@@ -33,6 +33,7 @@ UNTRANSLATED = {
     "mx_quantize": "builds MX weights, which the graphs receive already packed",
     "kda_recurrent": "no graph uses it (KDA runs chunked, and one token at a time through kda_decode_step)",
     "mla_rope": "no shipped spec rotates its MLA keys (rope: false); no graph uses it",
+    "mla_rope_at": "no shipped spec rotates its MLA keys (rope: false); no graph uses it",
 }
 
 
