@@ -161,6 +161,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", metavar="WEIGHTS",
                    help="start from these weights instead of the seeded init: a weights folder (import-hf's output) "
                    "or a checkpoint")
+    p.add_argument("--nproc", type=_positive, default=1, metavar="N",
+                   help="train in N local processes (started with torch.distributed.run, gloo on CPU, NCCL on CUDA): "
+                   "world N = dp x ep from the spec's parallel section (dp inferred as N / ep when left at 1); "
+                   "the same as `torchrun --nproc-per-node N -m k3compile train ...` (see docs/distributed.md)")
 
     p = sub.add_parser(
         "import-hf",
@@ -301,6 +305,40 @@ def _cmd_generate(args) -> None:
               f"cache: KDA {b['kda_state']:,} B, MLA {b['mla_latent']:,} B", file=sys.stderr)
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _launch_train(args) -> None:
+    """Start `args.nproc` local processes of this train command with torch.distributed.run; exit with its code."""
+    import os
+    import subprocess
+
+    from k3compile.runtime import distributed
+    from k3compile.runtime.train import TrainError, resolve
+
+    try:  # the layout's errors in one line here, before any process starts
+        spec, _ = resolve(args.spec, args.overrides, args.extends_anywhere)
+        distributed.degrees(spec, args.nproc)
+        distributed.check_batch(spec, args.nproc)
+    except (TrainError, distributed.LayoutError) as e:
+        raise UsageError(str(e)) from None
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "k3compile", *_without_nproc(args.argv)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    code = subprocess.run(cmd, env=env).returncode
+    if code:
+        raise SystemExit(code)
+
+
 def _cmd_train(args) -> None:
     from k3compile.emit.package import BuildDirError
     from k3compile.ir.pass_manager import NumericsMismatch, PassFailure
@@ -308,6 +346,10 @@ def _cmd_train(args) -> None:
     from k3compile.runtime.data import DataError
     from k3compile.runtime.train import TrainError, train
 
+    import os
+
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch_train(args)
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
               eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from,
@@ -421,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
     from k3compile.spec.load import SpecError
 
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         COMMANDS[args.command](args)
     except SpecError as e:
