@@ -111,7 +111,7 @@ def load(layout: Layout, run, checkpoint: Path) -> int:
     meta = read_meta(checkpoint)
     state = state_of(layout, run)
     try:
-        dcp.load(state, checkpoint_id=str(checkpoint))
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not layout.distributed)
     except Exception as e:  # DCP raises CheckpointException (and others) with multi-line text
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ckpt.CheckpointError(f"cannot read {checkpoint}: {first}") from None
@@ -136,6 +136,6 @@ def consolidate(checkpoint: Path, model, out_dir: Path) -> Path:
         raise ckpt.CheckpointError("consolidate runs in one process (outside torchrun)")
     meta = read_meta(checkpoint)
     state = ckpt.model_tensors(model)
-    dcp.load(state, checkpoint_id=str(checkpoint))
+    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     keep = {k: v for k, v in meta.items() if k not in ("step", "optimizer", "layout")}
     return ckpt.save(Path(out_dir), int(meta["step"]), state, keep)

@@ -349,7 +349,10 @@ def save_checkpoint(run: Run, step: int) -> Path:
     tensors = {**ckpt.model_tensors(run.model), **ckpt.optimizer_tensors(run.optimizer, run.named)}
     tensors["rng/torch"] = torch.get_rng_state()
     tensors["rng/data"] = run.batches.state()
-    return ckpt.save(run.checkpoints, step, tensors, meta)
+    written = ckpt.save(run.checkpoints, step, tensors, meta)
+    for old in dcp_ckpt.committed(run.checkpoints):  # a distributed run's, resumed here in one process
+        shutil.rmtree(dcp_ckpt.path(run.checkpoints, old), ignore_errors=True)
+    return written
 
 
 class _DataFingerprint(BaseModel):

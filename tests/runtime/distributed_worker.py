@@ -71,6 +71,13 @@ def main() -> None:
         return run
 
     train_mod._setup = probe
+    resume_from = train_mod.resume_from
+
+    def resumed(*a, **k):
+        report["resumed_at"] = resume_from(*a, **k)
+        return report["resumed_at"]
+
+    train_mod.resume_from = resumed
     records = train_mod.train("specs/k3-tiny.yaml", args.steps, data=args.data, out=args.out, resume=args.resume,
                               overrides=args.overrides, progress=False, eval_every=1000, stop_after=args.stop_after)
     report["losses"] = [r["loss"] for r in records]

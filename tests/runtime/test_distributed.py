@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from k3compile.analysis.stats import spec_stats
 from k3compile.runtime import distributed
@@ -109,3 +111,43 @@ def test_degrees():
         distributed.degrees(spec, 3)
     with pytest.raises(distributed.LayoutError, match="tp=2"):
         distributed.degrees(load_spec(ROOT / "specs" / "k3-tiny.yaml", ["parallel.tp=2"]), 2)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A run at dp=1, ep=2 stopped (with a distributed checkpoint) after 3 of its 5 steps."""
+    out = tmp_path_factory.mktemp("saved") / "run"
+    launch(out, 2, "--stop-after", "3", sets=("parallel.ep=2",))
+    return out
+
+
+@pytest.mark.parametrize("ep", [1, 4])
+def test_resume_at_another_expert_parallel_degree(single, saved, tmp_path, ep):
+    """Saved at ep=2, resumed at ep=1 (one process, every expert) and at ep=4: the losses of an uninterrupted run."""
+    from k3compile.runtime import sharded_checkpoint
+
+    assert sharded_checkpoint.committed(saved / "checkpoints") == [3]
+    out = tmp_path / "run"
+    shutil.copytree(saved, out)
+    ranks = launch(out, ep, "--resume", sets=(f"parallel.ep={ep}",))
+    for rank in ranks:
+        assert rank["resumed_at"] == 3
+        assert_same_losses(rank["losses"], single["losses"])
+
+
+def test_consolidate_to_the_single_file_checkpoint_generate_reads(saved, tmp_path):
+    import k3compile
+    from k3compile.modules.init import initial_value
+    from k3compile.runtime import sharded_checkpoint
+    from k3compile.runtime.generate import read_training_state
+
+    package = k3compile.load(saved / "build" / "k3_tiny")
+    model = package.Model()
+    written = sharded_checkpoint.consolidate(sharded_checkpoint.path(saved / "checkpoints", 3), model, tmp_path / "ckpt")
+    shapes = {k: tuple(v.shape) for k, v in package.Model().state_dict().items()}
+    state = read_training_state(written, shapes, model.spec)
+    assert state.keys() == shapes.keys()
+    name = "layers.1.moe.experts.up_proj.weight"
+    init = initial_value(name, shapes[name], model.spec)
+    for half in (slice(0, 4), slice(4, 8)):  # both ranks' experts were trained and written
+        assert not torch.equal(state[name][half], init[half])
