@@ -86,6 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=_positive, default=None, help="context length N (default: the spec's)")
     p.add_argument("--batch", type=_positive, default=1, help="decode batch B for cache bytes (default 1)")
 
+    p = sub.add_parser(
+        "plan",
+        help="per-rank memory of every dp x ep layout of N GPUs, for training and serving",
+        description="From the spec alone: for every dp x ep layout of --gpus GPUs (ep dividing the routed experts), "
+        "per rank the parameters, fp32 weight, gradient and optimiser bytes (Per-Head Muon momentum, AdamW moments), "
+        "an estimate of the activations one training step saves at the batch and sequence, the all-to-all bytes per "
+        "step, the serving weights under the quantisation policy and decode caches, and which layouts fit the GPU.",
+    )
+    _add_spec_args(p)
+    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs N (the world size dp x ep)")
+    p.add_argument("--gpu", choices=("h200", "h100", "a100", "b200"), required=True, help="GPU kind (its memory)")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="global batch in sequences (default: one per GPU, a micro-batch)")
+    p.add_argument("--seq", type=_positive, default=None, help="tokens per sequence (default: training.seq_len)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+
     p = sub.add_parser("check", help="validate a spec and print a one-screen summary",
                        description="Validate a spec (schema and cross-field checks) and summarise it.")
     _add_spec_args(p)
@@ -213,6 +229,19 @@ def _cmd_stats(args) -> None:
         print(json.dumps(stats, indent=2))
     else:
         print_stats(stats)
+
+
+def _cmd_plan(args) -> None:
+    from k3compile.analysis.plan import plan
+    from k3compile.report import print_plan
+    from k3compile.spec.load import load_spec
+
+    spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
+    result = plan(spec, args.gpus, args.gpu, args.batch, args.seq)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_plan(result)
 
 
 def _cmd_check(args) -> None:
@@ -454,7 +483,7 @@ def _cmd_export(args) -> None:
 
 
 COMMANDS = {
-    "stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
+    "stats": _cmd_stats, "plan": _cmd_plan, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
     "train": _cmd_train, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf, "export": _cmd_export,
 }
 
