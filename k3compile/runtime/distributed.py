@@ -104,6 +104,10 @@ def start(spec: Spec) -> Layout:
     return Layout(world, dist.get_rank(), dp, ep, mesh, device)
 
 
+def backend() -> str:
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
 def use_experts(layout: Layout) -> None:
     """Make the mesh's "ep" group the one the train graph's all-to-alls use (None in one process)."""
     expert_parallel.set_group(layout.group("ep") if layout.ep > 1 else None)

@@ -776,6 +776,11 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
     )
     if t.optimizer != "adamw":
         say(run.muon_note)
+    if run.layout.distributed:
+        lay, moe = run.layout, run.spec.moe
+        experts = f", {moe.num_experts // lay.ep} of {moe.num_experts} experts per rank" if moe is not None else ""
+        say(f"{lay.world} processes ({dist_rt.backend()}): dp {lay.dp} x ep {lay.ep}, "
+            f"{t.batch_size // lay.world} of {t.batch_size} sequences per rank{experts}")
     say(
         f"data: {run.corpus.source}: {len(run.corpus.data) / 1e6:.2f} MB from {run.corpus.files} file(s); "
         f"train {run.batches.tokens.numel() / 1e6:.2f} MB, validation {sum(b.numel() for b in run.val)} tokens"
