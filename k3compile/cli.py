@@ -183,6 +183,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "the same as `torchrun --nproc-per-node N -m k3compile train ...` (see docs/distributed.md)")
 
     p = sub.add_parser(
+        "consolidate",
+        help="turn a distributed (DCP) training checkpoint into the single-file checkpoint generate reads",
+        description="Read a torch.distributed.checkpoint folder written by a multi-process `k3compile train` (any dp x "
+        "ep layout) into one process holding every expert, and write its weights and buffers as a single-file "
+        "safetensors checkpoint OUT/step-NNNNNN.{safetensors,json} for `generate --checkpoint` and `--init-from`.",
+    )
+    p.add_argument("checkpoint", help="a run folder (its newest checkpoint) or a checkpoints/step-NNNNNN.dcp folder")
+    p.add_argument("-o", "--out", required=True, help="output folder (absent or empty)")
+    p.add_argument("--build", help="the run's build folder (default: RUN/build/<package>)")
+
+    p = sub.add_parser(
         "import-hf",
         help="import a Hugging Face Kimi Linear checkpoint: spec, build and converted weights",
         description="Read HF_DIR/config.json and write OUT/spec.yaml (the equivalent spec; a field k3compile cannot "
@@ -387,6 +398,17 @@ def _cmd_train(args) -> None:
         raise UsageError(str(e)) from None
 
 
+def _cmd_consolidate(args) -> None:
+    from k3compile.runtime.checkpoint import CheckpointError
+    from k3compile.runtime.sharded_checkpoint import consolidate_run
+
+    try:
+        written = consolidate_run(args.checkpoint, args.out, args.build)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {written}")
+
+
 def _cmd_import_hf(args) -> None:
     from k3compile.emit.package import BuildDirError
     from k3compile.hf.convert import import_hf
@@ -484,7 +506,7 @@ def _cmd_export(args) -> None:
 
 COMMANDS = {
     "stats": _cmd_stats, "plan": _cmd_plan, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
-    "train": _cmd_train, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf, "export": _cmd_export,
+    "train": _cmd_train, "consolidate": _cmd_consolidate, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf, "export": _cmd_export,
 }
 
 

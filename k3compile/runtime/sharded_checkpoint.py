@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import re
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -32,6 +33,7 @@ _NAME = re.compile(r"step-(\d{6,})\.dcp")
 
 
 def path(directory: Path, step: int) -> Path:
+    """Where the distributed checkpoint of `step` lives in `directory`."""
     return Path(directory) / f"step-{step:06d}.dcp"
 
 
@@ -136,6 +138,42 @@ def consolidate(checkpoint: Path, model, out_dir: Path) -> Path:
         raise ckpt.CheckpointError("consolidate runs in one process (outside torchrun)")
     meta = read_meta(checkpoint)
     state = ckpt.model_tensors(model)
-    dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
     keep = {k: v for k, v in meta.items() if k not in ("step", "optimizer", "layout")}
     return ckpt.save(Path(out_dir), int(meta["step"]), state, keep)
+
+
+def newest(where: Path) -> Path:
+    """The distributed checkpoint `where` is, or the newest in it or in its `checkpoints/`."""
+    where = Path(where)
+    if (where / META).is_file():
+        return where
+    for folder in (where, where / "checkpoints"):
+        steps = committed(folder)
+        if steps:
+            return path(folder, steps[-1])
+    raise ckpt.CheckpointError(f"{where} holds no distributed checkpoint (step-NNNNNN.dcp/ with {META})")
+
+
+def consolidate_run(checkpoint: Path, out: Path, build: Path | None = None) -> Path:
+    """`k3compile consolidate`: the newest distributed checkpoint of a run (or the one named) as a single-file
+    checkpoint in `out` (absent or empty), through the run's build (default RUN/build/<package>)."""
+    from k3compile.build import package_name
+    from k3compile.loader import BuildLoadError, load
+    from k3compile.spec.schema import Spec
+
+    source = newest(checkpoint)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ckpt.CheckpointError(f"output {out} exists and is not an empty folder")
+    meta = read_meta(source)
+    if build is None:
+        spec = Spec.model_validate(meta["spec"])
+        build = source.parent.parent / "build" / package_name(spec)
+    try:
+        package = load(build)
+    except BuildLoadError as e:
+        raise ckpt.CheckpointError(str(e)) from None
+    return consolidate(source, package.Model(), out)

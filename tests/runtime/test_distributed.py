@@ -138,14 +138,13 @@ def test_resume_at_another_expert_parallel_degree(single, saved, tmp_path, ep):
 def test_consolidate_to_the_single_file_checkpoint_generate_reads(saved, tmp_path):
     import k3compile
     from k3compile.modules.init import initial_value
-    from k3compile.runtime import sharded_checkpoint
+    from k3compile.cli import main
     from k3compile.runtime.generate import read_training_state
 
-    package = k3compile.load(saved / "build" / "k3_tiny")
-    model = package.Model()
-    written = sharded_checkpoint.consolidate(sharded_checkpoint.path(saved / "checkpoints", 3), model, tmp_path / "ckpt")
-    shapes = {k: tuple(v.shape) for k, v in package.Model().state_dict().items()}
-    state = read_training_state(written, shapes, model.spec)
+    assert main(["consolidate", str(saved), "-o", str(tmp_path / "ckpt")]) == 0  # the run's newest: step 3
+    model = k3compile.load(saved / "build" / "k3_tiny").Model()
+    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+    state = read_training_state(tmp_path / "ckpt" / "step-000003.json", shapes, model.spec)
     assert state.keys() == shapes.keys()
     name = "layers.1.moe.experts.up_proj.weight"
     init = initial_value(name, shapes[name], model.spec)
