@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -18,7 +19,6 @@ from k3compile.spec.load import load_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("distributed_worker.py")
-DATA = ROOT / "k3compile" / "runtime"
 # k3-tiny's features at a size 4 gloo processes train in seconds on 2 cores; capacity_factor = E / k keeps every
 # token (capacity then depends on no batch split), histogram QB is what reduces across ranks.
 SMALL = [
@@ -31,9 +31,20 @@ SMALL = [
 STEPS = 5
 
 
+def corpus(root: Path) -> Path:
+    """A fixed 64 KB text (seeded words) every run of this module trains on."""
+    path = root / "corpus.txt"
+    if not path.exists():
+        gen = random.Random(0)
+        words = ["expert", "token", "rank", "all", "to", "def", "return", "self", "x", "(", ")", ":", "\n", "  "]
+        path.write_text(" ".join(gen.choice(words) for _ in range(16_000)))
+    return path
+
+
 def launch(out: Path, nproc: int, *extra: str, steps: int = STEPS, sets: tuple[str, ...] = ()) -> list[dict]:
-    """Run the worker in `nproc` processes (1: plain python); returns every rank's report."""
-    args = [str(WORKER), "--out", str(out), "--steps", str(steps), "--data", str(DATA), *extra]
+    """Run the worker in `nproc` processes (1: plain python) on the fixed corpus; returns every rank's report."""
+    data = corpus(out.parent)
+    args = [str(WORKER), "--out", str(out), "--steps", str(steps), "--data", str(data), *extra]
     for s in (*SMALL, *sets):
         args += ["--set", s]
     cmd = [sys.executable, *args] if nproc == 1 else \
