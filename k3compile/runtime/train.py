@@ -5,6 +5,8 @@ learning rate, then the balancing rule turns this step's routing statistics into
 the next step. Validation loss is measured at intervals and at the end, where it is compared with the
 unigram entropy of the training bytes (the loss of a model that ignores context). A checkpoint is written
 with every validation and when the run stops; `resume=True` continues exactly where it left off.
+Started by torchrun, every process trains its rows of each batch in the spec's dp x ep layout
+(k3compile.runtime.distributed) and checkpoints are distributed (k3compile.runtime.sharded_checkpoint).
 """
 
 from __future__ import annotations
