@@ -773,7 +773,7 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
             f"(the first: line {so_far.skipped[0]})")
     params = sum(p.numel() for _, p in run.named)
     say(
-        f"{run.spec.name}: {params / 1e6:.2f}M parameters, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
+        f"{run.spec.name}: {params / 1e6:.2f}M parameters{' on this rank' if run.expert_shards else ''}, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
         f"warmup {t.schedule.warmup_steps}), batch {t.batch_size} x {t.seq_len}, steps {start + 1}..{steps}"
     )
     if t.optimizer != "adamw":
