@@ -161,3 +161,15 @@ def test_consolidate_to_the_single_file_checkpoint_generate_reads(saved, tmp_pat
     init = initial_value(name, shapes[name], model.spec)
     for half in (slice(0, 4), slice(4, 8)):  # both ranks' experts were trained and written
         assert not torch.equal(state[name][half], init[half])
+
+
+def test_nproc_checks_the_layout_before_starting_processes(tmp_path, capsys):
+    from k3compile.cli import main
+
+    out = tmp_path / "run"
+    spec = str(ROOT / "specs" / "k3-tiny.yaml")
+    assert main(["train", spec, "--steps", "1", "--nproc", "3", "--out", str(out), "--set", "parallel.ep=2"]) == 2
+    assert capsys.readouterr().err.strip() == "error: parallel.dp x parallel.ep = 1 x 2 does not match the 3 processes started"
+    assert main(["train", spec, "--steps", "1", "--nproc", "2", "--out", str(out), "--set", "parallel.ep=2"]) == 2
+    assert "moe.router.histogram_bins" in capsys.readouterr().err  # exact QB has no distributed form
+    assert not out.exists()
