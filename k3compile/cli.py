@@ -86,6 +86,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=_positive, default=None, help="context length N (default: the spec's)")
     p.add_argument("--batch", type=_positive, default=1, help="decode batch B for cache bytes (default 1)")
 
+    p = sub.add_parser(
+        "plan",
+        help="per-rank memory of every dp x ep layout of N GPUs, for training and serving",
+        description="From the spec alone: for every dp x ep layout of --gpus GPUs (ep dividing the routed experts), "
+        "per rank the parameters, fp32 weight, gradient and optimiser bytes (Per-Head Muon momentum, AdamW moments), "
+        "an estimate of the activations one training step saves at the batch and sequence, the all-to-all bytes per "
+        "step, the serving weights under the quantisation policy and decode caches, and which layouts fit the GPU.",
+    )
+    _add_spec_args(p)
+    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs N (the world size dp x ep)")
+    p.add_argument("--gpu", choices=("h200", "h100", "a100", "b200"), required=True, help="GPU kind (its memory)")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="global batch in sequences (default: one per GPU, a micro-batch)")
+    p.add_argument("--seq", type=_positive, default=None, help="tokens per sequence (default: training.seq_len)")
+    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+
     p = sub.add_parser("check", help="validate a spec and print a one-screen summary",
                        description="Validate a spec (schema and cross-field checks) and summarise it.")
     _add_spec_args(p)
@@ -164,6 +180,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", metavar="WEIGHTS",
                    help="start from these weights instead of the seeded init: a weights folder (import-hf's output) "
                    "or a checkpoint")
+    p.add_argument("--nproc", type=_positive, default=1, metavar="N",
+                   help="train in N local processes (started with torch.distributed.run, gloo on CPU, NCCL on CUDA): "
+                   "world N = dp x ep from the spec's parallel section (dp inferred as N / ep when left at 1); "
+                   "the same as `torchrun --nproc-per-node N -m k3compile train ...` (see docs/distributed.md)")
+
+    p = sub.add_parser(
+        "consolidate",
+        help="turn a distributed (DCP) training checkpoint into the single-file checkpoint generate reads",
+        description="Read a torch.distributed.checkpoint folder written by a multi-process `k3compile train` (any dp x "
+        "ep layout) into one process holding every expert, and write its weights and buffers as a single-file "
+        "safetensors checkpoint OUT/step-NNNNNN.{safetensors,json} for `generate --checkpoint` and `--init-from`.",
+    )
+    p.add_argument("checkpoint", help="a run folder (its newest checkpoint) or a checkpoints/step-NNNNNN.dcp folder")
+    p.add_argument("-o", "--out", required=True, help="output folder (absent or empty)")
+    p.add_argument("--build", help="the run's build folder (default: RUN/build/<package>)")
 
     p = sub.add_parser(
         "import-hf",
@@ -212,6 +243,19 @@ def _cmd_stats(args) -> None:
         print(json.dumps(stats, indent=2))
     else:
         print_stats(stats)
+
+
+def _cmd_plan(args) -> None:
+    from k3compile.analysis.plan import plan
+    from k3compile.report import print_plan
+    from k3compile.spec.load import load_spec
+
+    spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
+    result = plan(spec, args.gpus, args.gpu, args.batch, args.seq)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        print_plan(result)
 
 
 def _cmd_check(args) -> None:
@@ -305,6 +349,40 @@ def _cmd_generate(args) -> None:
               f"cache: KDA {b['kda_state']:,} B, MLA {b['mla_latent']:,} B", file=sys.stderr)
 
 
+def _without_nproc(argv: list[str]) -> list[str]:
+    out, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            out.append(a)
+    return out
+
+
+def _launch_train(args) -> None:
+    """Start `args.nproc` local processes of this train command with torch.distributed.run; exit with its code."""
+    import os
+    import subprocess
+
+    from k3compile.runtime import distributed
+    from k3compile.runtime.train import TrainError, resolve
+
+    try:  # the layout's errors in one line here, before any process starts
+        spec, _ = resolve(args.spec, args.overrides, args.extends_anywhere)
+        distributed.degrees(spec, args.nproc)
+        distributed.check_batch(spec, args.nproc)
+    except (TrainError, distributed.LayoutError) as e:
+        raise UsageError(str(e)) from None
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
+           "-m", "k3compile", *_without_nproc(args.argv)]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    code = subprocess.run(cmd, env=env).returncode
+    if code:
+        raise SystemExit(code)
+
+
 def _cmd_train(args) -> None:
     from k3compile.emit.package import BuildDirError
     from k3compile.ir.pass_manager import NumericsMismatch, PassFailure
@@ -312,12 +390,27 @@ def _cmd_train(args) -> None:
     from k3compile.runtime.data import DataError
     from k3compile.runtime.train import TrainError, train
 
+    import os
+
+    if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+        return _launch_train(args)
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
               eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from,
               extends_anywhere=args.extends_anywhere)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
+
+
+def _cmd_consolidate(args) -> None:
+    from k3compile.runtime.checkpoint import CheckpointError
+    from k3compile.runtime.sharded_checkpoint import consolidate_run
+
+    try:
+        written = consolidate_run(args.checkpoint, args.out, args.build)
+    except CheckpointError as e:
+        raise UsageError(str(e)) from None
+    print(f"wrote {written}")
 
 
 def _cmd_import_hf(args) -> None:
@@ -419,8 +512,8 @@ def _cmd_export(args) -> None:
 
 
 COMMANDS = {
-    "stats": _cmd_stats, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
-    "train": _cmd_train, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf, "export": _cmd_export,
+    "stats": _cmd_stats, "plan": _cmd_plan, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
+    "train": _cmd_train, "consolidate": _cmd_consolidate, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf, "export": _cmd_export,
 }
 
 
@@ -428,6 +521,7 @@ def main(argv: list[str] | None = None) -> int:
     from k3compile.spec.load import SpecError
 
     args = build_parser().parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     try:
         COMMANDS[args.command](args)
     except SpecError as e:

@@ -185,3 +185,41 @@ def print_build(dest, manifest: dict) -> None:
         native = sum(r["nodes"] for r in rows if r["impl"] == "native")
         t.add_row("PyTorch built-ins", "native", str(native), "linear, embedding, views, elementwise")
         con.print(t)
+
+
+def print_plan(pl: dict) -> None:
+    """`k3compile plan`'s tables: one row per dp x ep layout, per-rank bytes of training, then of serving."""
+    con = _console()
+    gb = pl["gpu_memory_bytes"]
+    con.print(
+        f"[bold]{escape(pl['spec'])}[/]: {human(pl['params']['total'])} parameters "
+        f"({human(pl['params']['routed_experts'])} in routed experts) on {pl['gpus']} x {pl['gpu'].upper()} "
+        f"({human(gb, 'B')} each; fits: at most {pl['fit_fraction']:.0%} of it); "
+        f"global batch {pl['batch']} x {pl['seq']} tokens"
+    )
+    yes = {True: "[green]yes", False: "[red]no"}
+    t = Table(title="training, per rank: fp32 weights, gradients and optimiser state (FSDP2 layout), activations",
+              title_justify="left")  # fmt: skip
+    for col in ("dp x ep", "experts", "params", "weights", "grads", "optimizer", "activations", "total", "fits",
+                "replicated", "fits", "all-to-all / step"):
+        t.add_column(col, justify="left" if col == "dp x ep" else "right")
+    for r in pl["layouts"]:
+        t.add_row(
+            f"{r['dp']} x {r['ep']}", str(r["experts_per_rank"]), human(r["params_per_rank"]),
+            human(r["param_bytes"], "B"), human(r["grad_bytes"], "B"), human(r["optimizer_bytes"], "B"),
+            human(r["activation_bytes"], "B"), human(r["train_bytes"], "B"), yes[r["train_fits"]],
+            human(r["train_bytes_replicated"], "B"), yes[r["train_fits_replicated"]],
+            human(r["all_to_all_bytes_per_step"], "B"),
+        )  # fmt: skip
+    con.print(t)
+    con.print("replicated: non-expert parameters on every rank, as `k3compile train` runs today")
+    t = Table(title="serving, per rank: weights under the quantisation policy, decode caches of its sequences",
+              title_justify="left")  # fmt: skip
+    for col in ("dp x ep", "routed experts", "weights", "cache", "total", "fits"):
+        t.add_column(col, justify="left" if col == "dp x ep" else "right")
+    for r in pl["layouts"]:
+        t.add_row(
+            f"{r['dp']} x {r['ep']}", human(r["routed_expert_bytes_per_rank"], "B"), human(r["serve_weight_bytes"], "B"),
+            human(r["serve_cache_bytes"], "B"), human(r["serve_bytes"], "B"), yes[r["serve_fits"]],
+        )  # fmt: skip
+    con.print(t)

@@ -1,10 +1,13 @@
 """shard_experts: split each MoE's expert computation across `parallel.ep` expert-parallel ranks.
 
-Rank r owns experts [r E/ep, (r+1) E/ep). The dispatched fixed-capacity buffer
-[E, C, w] is viewed as [ep, E/ep, C, w] (the all-to-all boundary: row r goes to
-rank r), the local experts run on it with their stacked weights viewed the same
-way, and the outputs fold back to [E, C, w] for the combine. Shapes stay static
-and the numbers are unchanged. A no-op at ep = 1.
+Rank r owns experts [r E/ep, (r+1) E/ep). In the train graph the dispatched fixed-capacity buffer
+[E, C, w] goes through `to_expert_owners` (an autograd all-to-all to the owning ranks, equal static
+splits), the rank's own E/ep experts run on what every rank sent them, and `from_expert_owners` brings
+the outputs back to [E, C, w] for the combine; the emitted Model then holds only its E/ep experts
+(k3compile.runtime.generated). In one process (no expert-parallel group) both exchanges are the
+identity. The inference graphs (served by one process) view the buffer and the stacked weights
+rank-major [ep, E/ep, ...] instead, making each rank's experts explicit. Shapes stay static and the
+numbers are unchanged. A no-op at ep = 1.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 from torch import fx
 
 from k3compile.ir.pass_manager import GraphPass, PassContext
+from k3compile.ops.expert_parallel import from_expert_owners, to_expert_owners
 
 K3 = torch.ops.k3
 
@@ -48,6 +52,7 @@ def _leading(node: fx.Node) -> int | None:
 
 
 def _shard(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, ep: int) -> int:
+    """The inference graphs' form: the rank-major view of the buffer and the stacked weights."""
     num_experts = dispatch.args[2]
     per_rank = num_experts // ep
     buffer = next(u for u in dispatch.users if _is(u, operator.getitem) and u.args[1] == 0)
@@ -71,6 +76,26 @@ def _shard(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, ep: int) -> 
     return len(by_rank) + 1
 
 
+def _exchange(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node) -> int:
+    """The train graph's form: buffer -> to_expert_owners -> local experts -> from_expert_owners -> combine."""
+    buffer = next(u for u in dispatch.users if _is(u, operator.getitem) and u.args[1] == 0)
+    expert_out = combine.args[0]
+    region = expert_region(buffer, expert_out)
+    users = [u for u in buffer.users if u in region]
+    with gm.graph.inserting_after(buffer):
+        sent = gm.graph.call_function(to_expert_owners, (buffer,))
+    sent.meta["expert_parallel"] = "all-to-all to the expert owners [E/ep, ep C, w]"
+    for u in users:
+        u.replace_input_with(buffer, sent)
+    with gm.graph.inserting_before(combine):
+        back = gm.graph.call_function(from_expert_owners, (expert_out,))
+    back.meta["expert_parallel"] = "all-to-all back from the expert owners [E, C, w]"
+    combine.replace_input_with(expert_out, back)
+    for n in region:
+        n.meta["expert_parallel"] = "local experts"
+    return 2
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
     ep = ctx.spec.parallel.ep
     stats = {"moe_layers": 0, "ranks": ep, "experts_per_rank": 0, "nodes_rewritten": 0}
@@ -80,7 +105,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
     for combine in [n for n in gm.graph.nodes if _is(n, K3.moe_combine.default)]:
         slots = combine.args[2]
         dispatch = slots.args[0]
-        stats["nodes_rewritten"] += _shard(gm, dispatch, combine, ep)
+        rewrite = _exchange(gm, dispatch, combine) if ctx.graph == "train" else _shard(gm, dispatch, combine, ep)
+        stats["nodes_rewritten"] += rewrite
         stats["moe_layers"] += 1
         per_rank = dispatch.args[2] // ep
         plan[dispatch.name] = {r: [r * per_rank, (r + 1) * per_rank] for r in range(ep)}

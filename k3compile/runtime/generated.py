@@ -13,11 +13,23 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from k3compile.modules.init import initial_value
+from k3compile.ops import expert_parallel
 from k3compile.modules.model import empty_caches
 from k3compile.spec.schema import Spec
 from k3compile.spec.weights import keeps_fp32
 
 IGNORE_INDEX = -100
+
+
+def local_expert_rows(spec: Spec) -> tuple[int, int] | None:
+    """[start, stop) of the routed experts this process holds under its expert-parallel group, or None (all)."""
+    g = expert_parallel.size()
+    if spec.moe is None or spec.parallel.ep == 1 or g == 1:
+        return None
+    if g != spec.parallel.ep:
+        raise ValueError(f"the expert-parallel group has {g} ranks but the build's parallel.ep is {spec.parallel.ep}")
+    per = spec.moe.num_experts // g
+    return expert_parallel.rank() * per, (expert_parallel.rank() + 1) * per
 
 
 def _put(root: nn.Module, name: str, tensor: Tensor, parameter: bool, persistent: bool = True) -> None:
@@ -62,23 +74,49 @@ class GeneratedModule(nn.Module):
     PACKED: dict = {}
     DEFAULT_DEVICE: str = "cpu"
 
+    EXPERT_PARALLEL: bool = False  # holds only this rank's experts under an expert-parallel group
+
     def __init__(self, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32):
         super().__init__()
-        device = torch.device(device or self.DEFAULT_DEVICE)
+        ambient = torch.get_default_device()  # `with torch.device("meta"):` (or cuda) wins over the build's default
+        device = torch.device(device or (ambient if ambient.type != "cpu" else self.DEFAULT_DEVICE))
         self.spec = Spec.model_validate_json(self.SPEC_JSON)
+        self.expert_rows = local_expert_rows(self.spec) if self.EXPERT_PARALLEL else None
+        self.expert_shards: set[str] = set()  # parameters holding rows expert_rows of the stacked experts
         for name, shape, _ in self.PARAMETERS:
             dt = torch.float32 if keeps_fp32(self.spec, name) else dtype
+            shape = self._local_shape(name, tuple(shape))
             _put(self, name, torch.empty(shape, dtype=dt, device=device), True)
         for name, shape, dt, persistent in self.BUFFERS:
             _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False, persistent)
         if device.type != "meta":
             self.reset_parameters()
 
+    def is_expert_shard(self, name: str, shape: tuple) -> bool:
+        """Whether parameter `name` (of full shape `shape`) is a stacked routed-expert weight split over EP ranks."""
+        return self.expert_rows is not None and ".experts." in name and shape[0] == self.spec.moe.num_experts
+
+    def _local_shape(self, name: str, shape: tuple) -> tuple:
+        if not self.is_expert_shard(name, shape):
+            return shape
+        self.expert_shards.add(name)
+        start, stop = self.expert_rows
+        return (stop - start, *shape[1:])
+
+    def full_shape(self, name: str, local: tuple) -> tuple:
+        """The shape parameter `name` has in the whole model (its local shape but for expert shards)."""
+        return (self.spec.moe.num_experts, *local[1:]) if name in self.expert_shards else local
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Seeded, documented init (k3compile.modules.init); packed MX buffers quantise their weight's init."""
+        """Seeded, documented init (k3compile.modules.init); every buffer back to zero (the routing statistics
+        and the selection bias start there), packed MX buffers quantise their weight's init."""
         for name, p in self.named_parameters():
-            p.copy_(initial_value(name, tuple(p.shape), self.spec))
+            full = self.full_shape(name, tuple(p.shape))
+            value = initial_value(name, full, self.spec)
+            p.copy_(value if full == tuple(p.shape) else value[slice(*self.expert_rows)])
+        for b in self.buffers():
+            b.zero_()
         buffers = dict(self.named_buffers())
         for weight, pack in self.PACKED.items():
             from k3compile.ops.mx import mx_quantize
@@ -107,6 +145,8 @@ class GeneratedModule(nn.Module):
 
 
 class TrainingModule(GeneratedModule):
+    EXPERT_PARALLEL = True  # the train graph exchanges expert buffers (shard_experts) when parallel.ep > 1
+
     def forward(self, tokens: Tensor, labels: Tensor | None = None) -> Tensor:
         """Logits [B, T, V]; with labels (aligned with tokens, shifted here), the mean next-token loss."""
         logits = self.graph(tokens)

@@ -5,6 +5,8 @@ learning rate, then the balancing rule turns this step's routing statistics into
 the next step. Validation loss is measured at intervals and at the end, where it is compared with the
 unigram entropy of the training bytes (the loss of a model that ignores context). A checkpoint is written
 with every validation and when the run stops; `resume=True` continues exactly where it left off.
+Started by torchrun, every process trains its rows of each batch in the spec's dp x ep layout
+(k3compile.runtime.distributed) and checkpoints are distributed (k3compile.runtime.sharded_checkpoint).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import threading
 import time
 import zlib
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
@@ -30,6 +32,8 @@ from torch import Tensor, nn
 
 from k3compile.kernels.launch import interpreting
 from k3compile.runtime import checkpoint as ckpt
+from k3compile.runtime import distributed as dist_rt
+from k3compile.runtime import sharded_checkpoint as dcp_ckpt
 from k3compile.runtime.balance import find_routers, restore_stats, snapshot_stats, update_balance
 from k3compile.runtime.data import VOCAB, Batches, Corpus, eval_batches, load_corpus, split, unigram_entropy
 from k3compile.runtime.muon import PerHeadMuon, default_use_muon, muon_precision
@@ -174,7 +178,7 @@ def prepare_out(out: Path, resume: bool) -> Path | None:
     inside = _enclosing_build(out)
     if inside is not None:  # the next build there would delete the run's checkpoints (or refuse to replace it)
         raise TrainError(f"output {out} is inside the build {inside}; choose an --out outside it")
-    steps = ckpt.committed(out / "checkpoints")
+    steps = sorted(ckpt.committed(out / "checkpoints") + dcp_ckpt.committed(out / "checkpoints"))
     if steps and not resume:
         raise TrainError(
             f"{out} already holds a checkpoint (step {steps[-1]}); pass --resume to continue it or choose another --out"
@@ -265,6 +269,11 @@ class Run:
     corpus: Corpus
     entropy: float
     muon_note: str  # the Newton-Schulz precision chosen for this run, and why
+    layout: dist_rt.Layout = field(default_factory=dist_rt.Layout)  # this process's place in the dp x ep mesh (world 1: alone)
+
+    @property
+    def expert_shards(self) -> set[str]:
+        return getattr(self.model, "expert_shards", set())
 
     @property
     def checkpoints(self) -> Path:
@@ -280,27 +289,29 @@ def train_step(run: Run, step: int, total: int) -> dict:
     lr = lr_at(step, total, t.lr, t.schedule)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    tokens = run.batches.next()
+    tokens = run.layout.rows(run.batches.next())  # this rank's rows of the global batch
     start = time.perf_counter()
     loss = run.model(tokens, tokens)
-    value = float(loss.detach())
+    value = dist_rt.mean(run.layout, float(loss.detach()))
     if not math.isfinite(value):
         raise TrainError(f"the loss is {value} at step {step + 1}; lower training.lr or check the data")
     loss.backward()
+    dist_rt.reduce_gradients(run.layout, run.named, run.expert_shards)
     grad_norm = None
     if t.grad_clip is not None:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_([p for _, p in run.named], t.grad_clip))
+        grad_norm = dist_rt.clip_grad_norm(run.layout, run.named, run.expert_shards, t.grad_clip)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     record = {"step": step + 1, "loss": value, "lr": lr}
     if run.routers:
         moe = run.spec.moe
+        dist_rt.reduce_statistics(run.layout, run.routers)
         stats = update_balance(run.routers, moe.router, moe.top_k)
         record.update(imbalance=stats.imbalance, dropped=stats.dropped)
         if stats.aux_loss is not None:
             record["aux_loss"] = stats.aux_loss
     record["grad_norm"] = grad_norm
-    record["tokens_per_s"] = tokens.numel() / (time.perf_counter() - start)
+    record["tokens_per_s"] = tokens.numel() * run.layout.world / (time.perf_counter() - start)
     return record
 
 
@@ -312,22 +323,21 @@ def evaluate(run: Run) -> float:
     try:
         total = count = 0.0
         for batch in run.val:
+            batch = run.layout.rows(batch)
             weight = batch.shape[0] * (batch.shape[1] - 1)
             total += float(run.model(batch, batch)) * weight
             count += weight
     finally:
         run.model.train()
         restore_stats(run.routers, saved)
-    return total / count
+    return dist_rt.mean(run.layout, total / count)
 
 
 def save_checkpoint(run: Run, step: int) -> Path:
+    """The run's checkpoint at `step`: one safetensors file in one process, a DCP checkpoint across processes."""
     from k3compile import __version__
     from k3compile.emit.codegen import spec_hash, spec_json
 
-    tensors = {**ckpt.model_tensors(run.model), **ckpt.optimizer_tensors(run.optimizer, run.named)}
-    tensors["rng/torch"] = torch.get_rng_state()
-    tensors["rng/data"] = run.batches.state()
     meta = {
         "compiler": f"k3compile {__version__}",
         "spec_name": run.spec.name,
@@ -336,7 +346,15 @@ def save_checkpoint(run: Run, step: int) -> Path:
         "optimizer": optimizer_layout(run.optimizer, run.named),
         "data": run.data_fingerprint(),
     }
-    return ckpt.save(run.checkpoints, step, tensors, meta)
+    if run.layout.distributed:
+        return dcp_ckpt.save(run.layout, run, step, meta)
+    tensors = {**ckpt.model_tensors(run.model), **ckpt.optimizer_tensors(run.optimizer, run.named)}
+    tensors["rng/torch"] = torch.get_rng_state()
+    tensors["rng/data"] = run.batches.state()
+    written = ckpt.save(run.checkpoints, step, tensors, meta)
+    for old in dcp_ckpt.committed(run.checkpoints):  # a distributed run's, resumed here in one process
+        shutil.rmtree(dcp_ckpt.path(run.checkpoints, old), ignore_errors=True)
+    return written
 
 
 class _DataFingerprint(BaseModel):
@@ -395,6 +413,9 @@ def resume_from(run: Run, say) -> int:
     """
     from k3compile.emit.codegen import spec_hash
 
+    sharded = dcp_ckpt.committed(run.checkpoints)
+    if sharded and (not ckpt.committed(run.checkpoints) or sharded[-1] >= ckpt.committed(run.checkpoints)[-1]):
+        return _resume_sharded(run, dcp_ckpt.path(run.checkpoints, sharded[-1]), say)
     path = ckpt.latest(run.checkpoints)
     if path is None:
         say(f"no checkpoint in {run.checkpoints}; starting from step 0")
@@ -420,6 +441,23 @@ def resume_from(run: Run, say) -> int:
         say(f"note: the data differ from those {path.name} was trained on; the batches will differ too")
     say(f"resuming from {path} (step {state.step})")
     return state.step
+
+
+def _resume_sharded(run: Run, path: Path, say) -> int:
+    """Resume from a distributed checkpoint, at this run's dp x ep layout (whichever it was saved at)."""
+    try:
+        meta = _TrainingMeta.model_validate(dcp_ckpt.read_meta(path))
+    except ValidationError as e:
+        raise ckpt.CheckpointError(f"{path} has bad training metadata: {e.errors(include_url=False)[0]['msg']}") from None
+    layout = optimizer_layout(run.optimizer, run.named)
+    differ = [n for n, k in layout.items() if meta.optimizer.get(n) != k]
+    if differ:
+        raise TrainError(f"{path} was written with another optimizer layout: {', '.join(differ[:4])}")
+    step = dcp_ckpt.load(run.layout, run, path)
+    saved = dcp_ckpt.read_meta(path).get("layout", {})
+    say(f"resuming from {path} (step {step}; saved at dp={saved.get('dp')} ep={saved.get('ep')}, "
+        f"now dp={run.layout.dp} ep={run.layout.ep})")
+    return step
 
 
 # ---------------------------------------------------------------- metrics file
@@ -491,6 +529,16 @@ class MetricsLog:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+class _NoMetrics:
+    """The metrics file of ranks other than 0, which write none."""
+
+    def append(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 # ---------------------------------------------------------------- console
@@ -636,6 +684,20 @@ def train(
         if value is not None and value < 1:
             raise TrainError(f"{name} must be at least 1, got {value}")
     spec, package = resolve(spec_or_build, overrides, extends_anywhere)
+    try:
+        layout = dist_rt.start(spec)
+    except dist_rt.LayoutError as e:
+        raise TrainError(str(e)) from None
+    try:
+        return _train(spec, package, layout, steps, data, out, resume, eval_every, progress and layout.main,
+                      stop_after, init_from)
+    finally:
+        dist_rt.stop(layout)
+
+
+def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps: int, data, out, resume: bool,
+           eval_every: int | None, progress: bool, stop_after: int | None, init_from) -> list[dict]:
+    """`train` in this process of the dp x ep layout: rank 0 prepares the folder and the build, every rank trains."""
     if spec.vocab_size < VOCAB:
         raise TrainError(
             f"spec {spec.name!r} has vocab_size {spec.vocab_size}; byte-level training needs at least {VOCAB}"
@@ -644,13 +706,17 @@ def train(
     corpus = load_corpus(data)
     train_tokens, val_tokens = split(corpus.data, t.seq_len)
     out = Path(out) if out is not None else Path("runs") / spec.name
-    created = prepare_out(out, resume)
+    created = prepare_out(out, resume) if layout.main else None
     with _display(progress, steps, spec.name) as display:
         say = display.print
         try:
-            if package is None:
+            if package is None and layout.main:
                 package = build_package(spec, out / "build", say)
-            run = _setup(spec, package, corpus, train_tokens, val_tokens, out, init_from)
+            dist_rt.barrier(layout)  # the other ranks load the build rank 0 wrote
+            if package is None:
+                package = build_package(spec, out / "build", lambda *a, **k: None)
+            dist_rt.use_experts(layout)  # after the build: its passes run each graph in one process
+            run = _setup(spec, package, corpus, train_tokens, val_tokens, out, init_from, layout)
         except BaseException:
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
@@ -660,11 +726,11 @@ def train(
 
 def _setup(
     spec: Spec, package: ModuleType, corpus: Corpus, train_tokens: Tensor, val_tokens: Tensor, out: Path,
-    init_from: str | Path | None,
+    init_from: str | Path | None, layout: dist_rt.Layout | None = None,
 ) -> Run:  # fmt: skip
     t = spec.training
     torch.manual_seed(t.seed)
-    model = package.Model()
+    model = package.Model(device=layout.device if layout is not None and layout.distributed else None)
     if model.spec.training.seed != t.seed:  # a build's init follows its own seed; re-init with the requested one
         model.spec = spec
         model.reset_parameters()
@@ -691,6 +757,7 @@ def _setup(
         corpus=corpus,
         entropy=unigram_entropy(train_tokens),
         muon_note=muon_note,
+        layout=layout or dist_rt.Layout(),
     )
 
 
@@ -706,11 +773,16 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
             f"(the first: line {so_far.skipped[0]})")
     params = sum(p.numel() for _, p in run.named)
     say(
-        f"{run.spec.name}: {params / 1e6:.2f}M parameters, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
+        f"{run.spec.name}: {params / 1e6:.2f}M parameters{' on this rank' if run.expert_shards else ''}, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
         f"warmup {t.schedule.warmup_steps}), batch {t.batch_size} x {t.seq_len}, steps {start + 1}..{steps}"
     )
     if t.optimizer != "adamw":
         say(run.muon_note)
+    if run.layout.distributed:
+        lay, moe = run.layout, run.spec.moe
+        experts = f", {moe.num_experts // lay.ep} of {moe.num_experts} experts per rank" if moe is not None else ""
+        say(f"{lay.world} processes ({dist_rt.backend()}): dp {lay.dp} x ep {lay.ep}, "
+            f"{t.batch_size // lay.world} of {t.batch_size} sequences per rank{experts}")
     say(
         f"data: {run.corpus.source}: {len(run.corpus.data) / 1e6:.2f} MB from {run.corpus.files} file(s); "
         f"train {run.batches.tokens.numel() / 1e6:.2f} MB, validation {sum(b.numel() for b in run.val)} tokens"
@@ -723,7 +795,7 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
         return records
     stop = steps if stop_after is None else min(steps, start + stop_after)
     last_saved = start
-    log = MetricsLog(metrics_path, so_far.size)
+    log = MetricsLog(metrics_path, so_far.size) if run.layout.main else _NoMetrics()  # rank 0 writes
     with _stop_flag() as stopping, contextlib.closing(log):
         display.begin(start)
         for step in range(start, stop):

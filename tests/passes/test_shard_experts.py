@@ -1,4 +1,4 @@
-"""shard_experts: a no-op at ep=1; at ep>1 a rank-major view of the experts that changes no number."""
+"""shard_experts: a no-op at ep=1; at ep>1 expert exchanges (train) or a rank-major view (inference) that change no number."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import torch
 
 from k3compile.ir.lower import lower
 from k3compile.ir.pass_manager import PassContext, PassManager
+from k3compile.ops.expert_parallel import from_expert_owners, to_expert_owners
 from k3compile.passes import attn_res, interleave, shard_experts
 
 K3 = torch.ops.k3
@@ -90,10 +91,29 @@ def test_statistics_and_rank_plan(sharded):
         assert ranks == {r: [r * per, (r + 1) * per] for r in range(ep)}
 
 
-def test_local_experts_run_rank_major(sharded):
+def test_train_graph_exchanges_with_the_expert_owners(sharded):
+    """Train graph: the dispatched buffer goes to_expert_owners, the outputs come back before the combine."""
     spec, gm, _, record, _, _ = sharded
-    ep, per = spec.parallel.ep, spec.moe.num_experts // spec.parallel.ep
     nodes = list(gm.graph.nodes)
+    n_moe = record.statistics["moe_layers"]
+    to = [n for n in nodes if n.target is to_expert_owners]
+    back = [n for n in nodes if n.target is from_expert_owners]
+    assert len(to) == len(back) == n_moe and record.statistics["nodes_rewritten"] == 2 * n_moe
+    assert all(n.args[0].target is operator.getitem and n.args[0].args[0].target is K3.moe_dispatch.default for n in to)
+    assert all(u.target is K3.moe_combine.default for n in back for u in n.users)
+    assert not [n for n in nodes if n.target is torch.unflatten]  # the weights are the rank's own: no view
+    local = [n for n in nodes if n.meta.get("expert_parallel") == "local experts"]
+    assert len([n for n in local if n.target in (torch.matmul, operator.matmul)]) == 3 * n_moe
+
+
+@pytest.mark.parametrize("ep", [4])
+def test_inference_graph_runs_local_experts_rank_major(load, ep):
+    spec = load("k3-tiny.yaml", f"parallel.ep={ep}")
+    per = spec.moe.num_experts // ep
+    lowered = lower(spec, "cpu", graph="prefill")
+    pm = PassManager(PASSES)
+    pm.run(lowered.gm, PassContext(spec, mode="infer", graph="prefill"), lowered.example_inputs)
+    record, nodes = pm.records[-1], list(lowered.gm.graph.nodes)
     views = [n for n in nodes if n.target is torch.unflatten]
     folds = [n for n in nodes if n.target is torch.flatten and n.users and all(u.target is K3.moe_combine.default for u in n.users)]
     n_moe = record.statistics["moe_layers"]

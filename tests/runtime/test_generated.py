@@ -208,3 +208,19 @@ def test_serving_holds_only_the_tables_tensors_and_follows_loaded_weights(pkg, i
     finally:
         infer.load_state_dict(original, strict=True)
     assert rel(logits, 2 * prefilled[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("cls", ["Model", "InferenceModel"])
+def test_meta_build_then_to_empty_and_init_equals_a_direct_build(pkg, cls):
+    """The FSDP2 idiom: build on the meta device (the ambient device wins), materialise, initialise."""
+    direct = getattr(pkg, cls)()
+    with torch.device("meta"):
+        lazy = getattr(pkg, cls)()
+    assert all(t.is_meta for t in [*lazy.parameters(), *lazy.buffers()])
+    lazy.to_empty(device="cpu")
+    lazy.reset_parameters()
+    for kind in ("named_parameters", "named_buffers"):
+        got, want = dict(getattr(lazy, kind)()), dict(getattr(direct, kind)())
+        assert got.keys() == want.keys() and got
+        for name in want:
+            assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name

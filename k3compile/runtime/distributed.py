@@ -1,0 +1,191 @@
+"""Training across processes: the dp x ep device mesh, batch slices, gradient and routing-statistic reductions.
+
+Every one of the world = dp x ep ranks reads its own rows of the global batch (the EP group is carved out
+of the data-parallel ranks, as in torchtitan and DeepSeek's expert parallelism). Rank = d * ep + e: the
+"ep" mesh dimension groups the ranks that exchange expert buffers (k3compile.ops.expert_parallel), the
+"dp" dimension the ranks holding the same experts. Replicated parameters' gradients are averaged over
+all ranks; each rank's expert gradients already sum the contributions of its EP group's tokens (the
+all-to-all's backward) and are summed over the dp group. The routing statistics are summed over all
+ranks with one integer all-reduce per step, so Quantile Balancing reads the global histogram.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from k3compile.ops import expert_parallel
+from k3compile.spec.schema import Spec
+
+
+class LayoutError(ValueError):
+    """The parallel degrees do not fit the processes started; one line."""
+
+
+@dataclass
+class Layout:
+    """This process's place in the dp x ep mesh (world 1: a single process, no groups)."""
+
+    world: int = 1
+    rank: int = 0
+    dp: int = 1
+    ep: int = 1
+    mesh: object = None  # torch.distributed.device_mesh.DeviceMesh with dims ("dp", "ep")
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    def group(self, dim: str) -> dist.ProcessGroup | None:
+        return None if self.mesh is None else self.mesh.get_group(dim)
+
+    def rows(self, batch: Tensor) -> Tensor:
+        """This rank's rows of a global batch [B, T] (B divisible by the world size)."""
+        if self.world == 1:
+            return batch
+        per = batch.shape[0] // self.world
+        return batch[self.rank * per : (self.rank + 1) * per]
+
+
+def launched() -> bool:
+    """Whether this process was started by torch.distributed.run with more than one process."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def degrees(spec: Spec, world: int) -> tuple[int, int]:
+    """(dp, ep) for `world` processes: the spec's, with dp inferred as world / ep when left at 1."""
+    p = spec.parallel
+    if p.tp > 1 or p.pp > 1:
+        raise LayoutError(f"parallel.tp={p.tp}, parallel.pp={p.pp}: only data and expert parallelism are implemented")
+    dp = p.dp if p.dp > 1 or world % p.ep else world // p.ep
+    if dp * p.ep != world:
+        raise LayoutError(f"parallel.dp x parallel.ep = {p.dp} x {p.ep} does not match the {world} processes started")
+    return dp, p.ep
+
+
+def check_batch(spec: Spec, world: int) -> None:
+    if spec.training.batch_size % world:
+        raise LayoutError(f"training.batch_size ({spec.training.batch_size}) is not divisible by the {world} processes")
+    if spec.moe is not None and world > 1 and spec.moe.router.balancing == "quantile" and spec.moe.router.histogram_bins is None:
+        raise LayoutError(
+            "exact quantile balancing reads one process's whole batch; across processes set "
+            "moe.router.histogram_bins (e.g. --set moe.router.histogram_bins=256) so the histogram is all-reduced"
+        )
+
+
+def start(spec: Spec) -> Layout:
+    """Join the process group torch.distributed.run set up and build the ("dp", "ep") mesh; world 1: no-op."""
+    if not launched():
+        if spec.parallel.tp > 1 or spec.parallel.pp > 1:
+            degrees(spec, 1)
+        return Layout()
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = int(os.environ["WORLD_SIZE"])
+    dp, ep = degrees(spec, world)
+    check_batch(spec, world)
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    mesh = init_device_mesh(device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
+    return Layout(world, dist.get_rank(), dp, ep, mesh, device)
+
+
+def backend() -> str:
+    return dist.get_backend() if dist.is_initialized() else "none"
+
+
+def use_experts(layout: Layout) -> None:
+    """Make the mesh's "ep" group the one the train graph's all-to-alls use (None in one process)."""
+    expert_parallel.set_group(layout.group("ep") if layout.ep > 1 else None)
+
+
+def stop(layout: Layout) -> None:
+    expert_parallel.set_group(None)
+    if layout.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def barrier(layout: Layout) -> None:
+    if layout.distributed:
+        dist.barrier()
+
+
+def mean(layout: Layout, value: float) -> float:
+    """The mean over all ranks of a per-rank float (equal batch slices: the global mean)."""
+    if not layout.distributed:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=layout.device)
+    dist.all_reduce(t)
+    return float(t) / layout.world
+
+
+def _all_reduce_flat(tensors: list[Tensor], group, scale: float = 1.0) -> None:
+    """Sum `tensors` (one dtype) over `group` in place with one all-reduce of their concatenation, then scale."""
+    if not tensors:
+        return
+    flat = torch.cat([t.reshape(-1) for t in tensors])
+    dist.all_reduce(flat, group=group)
+    if scale != 1.0:
+        flat.mul_(scale)
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+
+
+@torch.no_grad()
+def reduce_gradients(layout: Layout, named: list[tuple[str, Tensor]], expert_shards: set[str]) -> None:
+    """Gradients of the global mean loss: replicated parameters averaged over all ranks (one all-reduce),
+    expert shards summed over their dp group and divided by the world size."""
+    if not layout.distributed:
+        return
+    shared = [p.grad for n, p in named if p.grad is not None and n not in expert_shards]
+    experts = [p.grad for n, p in named if p.grad is not None and n in expert_shards]
+    _all_reduce_flat(shared, None, 1.0 / layout.world)
+    if layout.dp > 1:
+        _all_reduce_flat(experts, layout.group("dp"), 1.0 / layout.world)
+    else:
+        for g in experts:
+            g.mul_(1.0 / layout.world)
+
+
+@torch.no_grad()
+def clip_grad_norm(layout: Layout, named: list[tuple[str, Tensor]], expert_shards: set[str], max_norm: float) -> float:
+    """torch.nn.utils.clip_grad_norm_ over the whole model: the norm adds every EP rank's expert shards."""
+    params = [p for _, p in named if p.grad is not None]
+    if not layout.distributed:
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+    shared = [p.grad for n, p in named if p.grad is not None and n not in expert_shards]
+    experts = [p.grad for n, p in named if p.grad is not None and n in expert_shards]
+    sq = torch.zeros((), dtype=torch.float32, device=layout.device)
+    for g in experts:
+        sq += g.float().square().sum()
+    if layout.ep > 1:
+        dist.all_reduce(sq, group=layout.group("ep"))
+    for g in shared:
+        sq += g.float().square().sum()
+    total = sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+    return float(total)
+
+
+@torch.no_grad()
+def reduce_statistics(layout: Layout, routers: list) -> None:
+    """Sum every router's integer statistics (load, dropped, QB histogram) over all ranks: one all-reduce."""
+    if not layout.distributed or not routers:
+        return
+    _all_reduce_flat([t for r in routers for t in (r.load, r.dropped, r.qb_counts) if t is not None], None)

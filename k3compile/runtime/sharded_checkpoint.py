@@ -1,0 +1,179 @@
+"""Distributed checkpoints (torch.distributed.checkpoint): written by every rank, loadable at another dp x ep layout.
+
+`<checkpoints>/step-<N>.dcp/` holds DCP's shard files and `k3compile.json` (the training metadata). Expert
+shards and their optimiser state are saved as DTensors sharded on the expert dim over the mesh's "ep"
+dimension (replicated over "dp"), every other tensor as a replicated tensor (written once), so DCP's
+planner can read them back into any layout: fewer or more EP ranks, or one process holding every
+expert. A checkpoint is written into a hidden `.step-<N>.dcp.tmp/` and renamed into place by rank 0
+after every rank finished (a crash leaves no half checkpoint); older ones are deleted after that.
+`consolidate` reads one into a single process and writes the single-file safetensors checkpoint
+(k3compile.runtime.checkpoint) that `generate` and `--init-from` read.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import warnings
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor
+
+from k3compile.runtime import checkpoint as ckpt
+from k3compile.runtime.distributed import Layout, barrier
+from k3compile.runtime.muon import _scalar_dtype
+from k3compile.runtime.durable import fsync_path
+
+META = "k3compile.json"
+_NAME = re.compile(r"step-(\d{6,})\.dcp")
+
+
+def path(directory: Path, step: int) -> Path:
+    """Where the distributed checkpoint of `step` lives in `directory`."""
+    return Path(directory) / f"step-{step:06d}.dcp"
+
+
+def committed(directory: Path) -> list[int]:
+    """Steps with a complete distributed checkpoint in `directory`, ascending."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    steps = [int(m.group(1)) for p in directory.iterdir() if (m := _NAME.fullmatch(p.name)) and (p / META).is_file()]
+    return sorted(steps)
+
+
+def _sharded(layout: Layout, t: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    return DTensor.from_local(t, layout.mesh, [Replicate(), Shard(0)], run_check=False)
+
+
+def state_of(layout: Layout, run) -> dict[str, Tensor]:
+    """The run's checkpointed tensors by key; expert shards as DTensors when experts are split over ranks."""
+    shards = getattr(run.model, "expert_shards", set())
+    split = layout.distributed and layout.ep > 1
+    state = {}
+    for key, t in ckpt.model_tensors(run.model).items():
+        state[key] = _sharded(layout, t) if split and key.removeprefix("model/") in shards else t
+    for name, p in run.named:
+        for slot, shape in run.optimizer.state_layout(p).items():
+            slots = run.optimizer.state.setdefault(p, {})
+            if slot not in slots:  # not stepped yet: load into zeros of the right shape
+                slots[slot] = torch.zeros(shape, dtype=p.dtype if shape else _scalar_dtype(), device=p.device)
+            t = slots[slot]
+            state[f"optim/{name}/{slot}"] = _sharded(layout, t) if split and name in shards and shape else t
+    state["rng/torch"] = torch.get_rng_state()
+    state["rng/data"] = run.batches.state()
+    return state
+
+
+def save(layout: Layout, run, step: int, meta: dict) -> Path:
+    """Write the run's state at `step` from every rank; rank 0 commits it and deletes the older ones."""
+    directory = Path(run.checkpoints)
+    final = path(directory, step)
+    tmp = directory / f".{final.name}.tmp"
+    if layout.main:
+        directory.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+    barrier(layout)
+    dcp.save(state_of(layout, run), checkpoint_id=str(tmp))
+    barrier(layout)
+    if layout.main:
+        (tmp / META).write_text(json.dumps({**meta, "step": step, "layout": {"dp": layout.dp, "ep": layout.ep}},
+                                           indent=1, sort_keys=True))  # fmt: skip
+        for f in tmp.iterdir():
+            fsync_path(f)
+        if final.exists():
+            shutil.rmtree(final)
+        tmp.rename(final)
+        fsync_path(directory)
+        for old in committed(directory):
+            if old != step:
+                shutil.rmtree(path(directory, old), ignore_errors=True)
+        for old in ckpt.committed(directory):  # single-file checkpoints of an earlier one-process run
+            for p in reversed(ckpt.paths(directory, old)):
+                p.unlink(missing_ok=True)
+    barrier(layout)
+    return final
+
+
+def read_meta(checkpoint: Path) -> dict:
+    try:
+        return json.loads((Path(checkpoint) / META).read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ckpt.CheckpointError(f"{checkpoint} is not a k3compile distributed checkpoint: {e}") from None
+
+
+def load(layout: Layout, run, checkpoint: Path) -> int:
+    """Read a distributed checkpoint (any layout it was saved at) into the run; returns its step."""
+    meta = read_meta(checkpoint)
+    state = state_of(layout, run)
+    try:
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not layout.distributed)
+    except Exception as e:  # DCP raises CheckpointException (and others) with multi-line text
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ckpt.CheckpointError(f"cannot read {checkpoint}: {first}") from None
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for key, t in ckpt.model_tensors(run.model).items():
+            loaded = state[key]
+            if isinstance(loaded, DTensor):
+                loaded = loaded.to_local()
+            if loaded.data_ptr() != t.data_ptr():
+                t.copy_(loaded)
+    run.batches.load_state(state["rng/data"])
+    torch.set_rng_state(state["rng/torch"])
+    return int(meta["step"])
+
+
+def consolidate(checkpoint: Path, model, out_dir: Path) -> Path:
+    """Read a distributed checkpoint into `model` (one process, every expert) and write its weights and buffers
+    as the single-file safetensors checkpoint `generate` reads; returns that checkpoint's JSON path."""
+    if dist.is_initialized():
+        raise ckpt.CheckpointError("consolidate runs in one process (outside torchrun)")
+    meta = read_meta(checkpoint)
+    state = ckpt.model_tensors(model)
+    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    keep = {k: v for k, v in meta.items() if k not in ("step", "optimizer", "layout")}
+    return ckpt.save(Path(out_dir), int(meta["step"]), state, keep)
+
+
+def newest(where: Path) -> Path:
+    """The distributed checkpoint `where` is, or the newest in it or in its `checkpoints/`."""
+    where = Path(where)
+    if (where / META).is_file():
+        return where
+    for folder in (where, where / "checkpoints"):
+        steps = committed(folder)
+        if steps:
+            return path(folder, steps[-1])
+    raise ckpt.CheckpointError(f"{where} holds no distributed checkpoint (step-NNNNNN.dcp/ with {META})")
+
+
+def consolidate_run(checkpoint: Path, out: Path, build: Path | None = None) -> Path:
+    """`k3compile consolidate`: the newest distributed checkpoint of a run (or the one named) as a single-file
+    checkpoint in `out` (absent or empty), through the run's build (default RUN/build/<package>)."""
+    from k3compile.build import package_name
+    from k3compile.loader import BuildLoadError, load
+    from k3compile.spec.schema import Spec
+
+    source = newest(checkpoint)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ckpt.CheckpointError(f"output {out} exists and is not an empty folder")
+    meta = read_meta(source)
+    if build is None:
+        spec = Spec.model_validate(meta["spec"])
+        build = source.parent.parent / "build" / package_name(spec)
+    try:
+        package = load(build)
+    except BuildLoadError as e:
+        raise ckpt.CheckpointError(str(e)) from None
+    return consolidate(source, package.Model(), out)
