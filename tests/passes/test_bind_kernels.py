@@ -26,8 +26,8 @@ def is_k3(node) -> bool:
 
 GRAPHS = ("train", "prefill", "decode")
 # Ops each inference graph of k3-tiny must bind to Triton on h200 (the decode graph: the decode kernels).
-H200_OPS = {
-    "prefill": {"mx_expert_glu", "attn_res", "kda_chunk", "moe_dispatch"},
+H200_OPS = {  # the CPU-built graphs rebound: a CPU prefill mixes depth with attn_res_normed (no Triton kernel)
+    "prefill": {"mx_expert_glu", "attn_res_normed", "kda_chunk", "moe_dispatch"},
     "decode": {"mx_expert_glu", "attn_res", "kda_decode_step", "mla_decode_absorbed"},
 }
 
