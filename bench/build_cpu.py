@@ -1,14 +1,15 @@
 """CPU cost of `k3compile build`: the published Kimi K3 spec (meta device) and k3-tiny (real weights).
 
     python bench/build_cpu.py                              # this checkout, both specs, 2 runs each
-    python bench/build_cpu.py --against /path/to/checkout  # and another source tree, interleaved run by run
+    python bench/build_cpu.py --against /other/.venv/bin/python   # and another checkout's install, run by run
     python bench/build_cpu.py --spec specs/kimi-k3.yaml --runs 3
 
-Each run is a fresh process (`python -m k3compile build SPEC -o TMP`, the source tree first on PYTHONPATH), so
-import time is included as a user pays it. CPU seconds are the child's user + system time
-(`resource.getrusage(RUSAGE_CHILDREN)`), the number to compare on a shared machine; wall seconds beside
-them. With --against, the two trees alternate run by run so machine load hits both alike, and the table
-says whether their outputs were byte-identical. Nothing here is asserted on.
+Each run is a fresh process (`k3compile build SPEC -o TMP` through the given Python), so import time is
+included as a user pays it. Another checkout is run through its own environment: its editable install maps
+k3compile.passes and k3compile.kernels to its own folders, which PYTHONPATH cannot redirect. CPU seconds
+are the child's user + system time (`resource.getrusage(RUSAGE_CHILDREN)`), the number to compare on a
+shared machine; wall seconds beside them. With --against, the two alternate run by run so machine load
+hits both alike, and the table says whether their outputs are byte-identical. Nothing here is asserted on.
 """
 
 from __future__ import annotations
@@ -32,13 +33,12 @@ ROOT = Path(__file__).resolve().parent.parent
 SPECS = ("specs/kimi-k3.yaml", "specs/k3-tiny.yaml")
 
 
-def run_build(tree: Path, spec: Path, out: Path) -> tuple[float, float]:
-    """(CPU seconds, wall seconds) of one build of `spec` from the sources in `tree`, into `out`."""
-    env = dict(os.environ, PYTHONPATH=str(tree))
+def run_build(python: str, spec: Path, out: Path) -> tuple[float, float]:
+    """(CPU seconds, wall seconds) of one build of `spec` by the k3compile that `python` imports, into `out`."""
     code = "import sys; from k3compile.cli import main; sys.exit(main(sys.argv[1:]))"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.perf_counter()
-    subprocess.run([sys.executable, "-c", code, "build", str(spec), "-o", str(out)], env=env, check=True,
+    subprocess.run([python, "-c", code, "build", str(spec), "-o", str(out)], check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     wall = time.perf_counter() - wall
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -57,9 +57,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", action="append", help="a spec to build (repeatable; default: Kimi K3 and k3-tiny)")
     parser.add_argument("--runs", type=int, default=2, help="builds per spec and tree (default 2)")
-    parser.add_argument("--against", type=Path, help="another checkout to build side by side (e.g. a git worktree)")
+    parser.add_argument("--against", help="the Python of another checkout's environment, to build side by side")
     args = parser.parse_args()
-    trees = {"this": ROOT} | ({"against": args.against.resolve()} if args.against else {})
+    trees = {"this": sys.executable} | ({"against": args.against} if args.against else {})
     console = Console()
     console.print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs, "
                   f"torch {torch.__version__}, load average {os.getloadavg()[0]:.1f}")
@@ -68,9 +68,9 @@ def main() -> None:
         for spec in args.spec or SPECS:
             times: dict[str, list[tuple[float, float]]] = {name: [] for name in trees}
             for run in range(args.runs):
-                for name, tree in trees.items():
+                for name, python in trees.items():
                     out = Path(tmp) / f"{name}-{Path(spec).stem}-{run}"
-                    times[name].append(run_build(tree, ROOT / spec, out))
+                    times[name].append(run_build(python, ROOT / spec, out))
             first = {name: Path(tmp) / f"{name}-{Path(spec).stem}-0" for name in trees}
             for name in trees:
                 cpu = [c for c, _ in times[name]]
