@@ -280,9 +280,10 @@ def train_step(run: Run, step: int, total: int) -> dict:
     lr = lr_at(step, total, t.lr, t.schedule)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    tokens = run.batches.next()
+    batch = run.batches.next()  # token windows (labels are the tokens), or (tokens, labels): a task's batches
+    tokens, labels = batch if isinstance(batch, tuple) else (batch, batch)
     start = time.perf_counter()
-    loss = run.model(tokens, tokens)
+    loss = run.model(tokens, labels)
     value = float(loss.detach())
     if not math.isfinite(value):
         raise TrainError(f"the loss is {value} at step {step + 1}; lower training.lr or check the data")
