@@ -10,6 +10,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -205,6 +206,9 @@ def load_study(path: str | Path, **cli) -> Study:
         raise AblateError(f"{path}: the study names no base spec")
     here = path.parent
 
+    def rel(name) -> Path:
+        return Path(os.path.normpath(here / str(name)))
+
     def listed(key: str) -> list:
         value = data.get(key) or []
         if not isinstance(value, list):
@@ -215,15 +219,15 @@ def load_study(path: str | Path, **cli) -> Study:
     if not isinstance(grid, dict):
         raise AblateError(f"{path}: grid must map spec keys to lists of values")
     merged = {
-        "base": here / str(data["base"]),
-        "variants": [here / str(v) for v in listed("variants")],
+        "base": rel(data["base"]),
+        "variants": [rel(v) for v in listed("variants")],
         "grid": [f"{k}={','.join(str(x).lower() if isinstance(x, bool) else str(x) for x in (v if isinstance(v, list) else [v]))}"
                  for k, v in grid.items()],
         "steps": data.get("steps"), "tokens": data.get("tokens"),
         "seeds": tuple(listed("seeds") or [0]), "tasks": tuple(listed("tasks") or TASKS),
-        "mqar": data.get("mqar"), "data": str(here / data["data"]) if data.get("data") else None,
+        "mqar": data.get("mqar"), "data": str(rel(data["data"])) if data.get("data") else None,
         "overrides": tuple(str(s) for s in listed("set")), "eval_every": data.get("eval_every"),
-        "jobs": data.get("jobs", 1), "out": here / str(data["out"]) if data.get("out") else None,
+        "jobs": data.get("jobs", 1), "out": rel(data["out"]) if data.get("out") else None,
     }  # fmt: skip
     if merged["mqar"] is not None and not isinstance(merged["mqar"], dict):
         raise AblateError(f"{path}: mqar must map num_kv_pairs, seq_len, num_queries, vocab to integers")
