@@ -6,6 +6,7 @@ import statistics
 from pathlib import Path
 
 from k3compile.ablation.study import Study
+from k3compile.analysis.flops import forward_flops_per_token
 from k3compile.analysis.stats import spec_stats
 from k3compile.report import spec_diff
 
@@ -39,6 +40,7 @@ def collect(study: Study, results: dict[str, dict]) -> dict:
         }  # fmt: skip
         speeds = []
         for task in study.tasks:
+            seq = v.spec.training.seq_len if task == "lm" else study.mqar.seq_len
             runs = [results[f"{v.name}/{task}-seed{s}"] for s in study.seeds]
             speeds += [r["tokens_per_s"] for r in runs]
             metric = runs[0]["metric"]
@@ -49,6 +51,8 @@ def collect(study: Study, results: dict[str, dict]) -> dict:
                 "curve": _mean_curve([r["curve"] for r in runs]),
                 "tokens_per_step": v.spec.training.batch_size * (
                     v.spec.training.seq_len if task == "lm" else study.mqar.seq_len),
+                # forward FLOPs per token at the trained length (attention grows with it; stats use the spec's context)
+                "flops_per_token_trained": forward_flops_per_token(v.spec, seq)["forward"],
             }  # fmt: skip
         entry["tokens_per_s"] = statistics.fmean(speeds)
         out.append(entry)
@@ -76,7 +80,7 @@ def _fmt(task_entry: dict | None, base_entry: dict | None, digits: int, percent:
 def table_rows(doc: dict) -> tuple[list[str], list[list[str]]]:
     """Header and rows shared by results.md and the terminal table."""
     base = next(e for e in doc["variants"] if e["variant"] == doc["base"])
-    header = ["variant", "changes", "params (active)", "FLOPs/token", "cache B", "tok/s"]
+    header = ["variant", "changes", "params (active)", "FLOPs/token at context", "decode cache B", "tok/s"]
     header += [h for t, h in (("lm", "val loss (nats/byte)"), ("mqar", "MQAR acc %")) if t in doc["tasks"]]
     header += [h for t, h in (("lm", "best val loss"), ("mqar", "best MQAR %")) if t in doc["tasks"]]
     rows = []
@@ -117,11 +121,11 @@ def plots(doc: dict, out: Path) -> list[Path]:
         fig, (by_step, by_flops) = plt.subplots(1, 2, figsize=(12, 4.5))
         for e in doc["variants"]:
             steps, loss = zip(*e["lm"]["curve"])
-            per_step = TRAIN_FLOPS_PER_FORWARD * e["flops_per_token"] * e["lm"]["tokens_per_step"]
+            per_step = TRAIN_FLOPS_PER_FORWARD * e["lm"]["flops_per_token_trained"] * e["lm"]["tokens_per_step"]
             by_step.plot(steps, loss, marker=".", label=e["variant"])
             by_flops.plot([s * per_step for s in steps], loss, marker=".", label=e["variant"])
         by_step.set(xlabel="step", ylabel="validation loss (nats/byte)", title="validation loss against steps")
-        by_flops.set(xlabel="training FLOPs (3 x forward)", xscale="log", title="validation loss against FLOPs")
+        by_flops.set(xlabel="training FLOPs (3 x forward, at the trained length)", xscale="log", title="validation loss against FLOPs")
         by_step.legend(fontsize=7)
         fig.tight_layout()
         fig.savefig(out / "loss.png", dpi=110)
