@@ -36,3 +36,13 @@ def export_onnx(build, out_dir, graph="infer", weights=None, mx="fp4", opset=Non
     from k3compile.emit.onnx.export import export_onnx as _export_onnx
 
     return _export_onnx(build, out_dir, graph, weights, mx, DEFAULT_OPSET if opset is None else opset, check)
+
+
+def ablate(base, variants=(), grid=(), steps=None, tokens=None, seeds=None, tasks=None, mqar=None, data=None,
+           overrides=(), eval_every=None, jobs=None, out=None, progress=False):
+    """Train a base spec and its variants on the same data, seeds and budget; returns results.json's document
+    (see k3compile.ablation.ablate)."""
+    from k3compile.ablation import ablate as _ablate
+
+    return _ablate(base, variants, grid, steps, tokens, seeds, tasks, mqar, data, overrides, eval_every, jobs, out,
+                   progress)

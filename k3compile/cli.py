@@ -229,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="largest shard, e.g. 5GB (default), 200MB")
     _add_export_parser(sub)
+    _add_ablate_parser(sub)
     return parser
 
 
@@ -511,9 +512,72 @@ def _cmd_export(args) -> None:
                        opset=args.opset, check=args.check)
 
 
+# ---------------------------------------------------------------- ablate (issue 14)
+
+
+def _add_ablate_parser(sub) -> None:
+    p = sub.add_parser(
+        "ablate",
+        help="train a base spec and its variants on the same data, seeds and budget; compare loss and MQAR recall",
+        description="Train BASE and every VARIANT (spec files, and the points of each --grid) for the same budget on "
+        "the same data order and seeds, on byte-level LM (validation loss) and MQAR (multi-query associative recall, "
+        "held-out accuracy). Writes OUT/results.json, OUT/results.md, OUT/loss.png and OUT/mqar.png and prints a "
+        "table. Rerun the same command to continue a stopped study: finished runs are skipped and the interrupted "
+        "one resumes from its checkpoint. BASE may instead be a STUDY.yaml naming base, variants, grid, steps or "
+        "tokens, seeds, tasks, mqar, data, set, eval_every, jobs and out; options given here override it.",
+    )
+    p.add_argument("base", metavar="BASE_OR_STUDY", help="the base spec YAML, or a study YAML")
+    p.add_argument("variants", nargs="*", metavar="VARIANT", help="variant spec files (usually `extends:` the base)")
+    p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                   help="one variant per value of a spec field (repeatable: the cartesian product), e.g. moe.top_k=2,4,8")
+    budget = p.add_mutually_exclusive_group()
+    budget.add_argument("--steps", type=int, help="optimizer steps per run")
+    budget.add_argument("--tokens", type=int, help="training tokens per run (steps = tokens / (batch x seq_len))")
+    p.add_argument("--seeds", help="comma list of seeds, e.g. 0,1,2 (default 0): init and data order per seed")
+    p.add_argument("--tasks", help="comma list of lm, mqar (default both)")
+    p.add_argument("--mqar", action="append", default=[], metavar="KEY=N",
+                   help="MQAR difficulty: num_kv_pairs, seq_len, num_queries, vocab (repeatable), e.g. num_kv_pairs=8")
+    p.add_argument("--data", help="LM text file or folder (default: the Python stdlib's sources)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
+                   help="override a field of every variant (repeatable), e.g. --set num_layers=4")
+    p.add_argument("--eval-every", type=int, metavar="K", help="evaluate and checkpoint every K steps (default: steps // 6)")
+    p.add_argument("--jobs", type=int, help="runs in parallel, each with its share of the CPU threads (default 1)")
+    p.add_argument("--out", help="study folder (created; a rerun into it continues the same study)")
+
+
+def _cmd_ablate(args) -> None:
+    from k3compile.ablation import AblateError, ablate
+    from k3compile.ir.pass_manager import NumericsMismatch, PassFailure
+    from k3compile.runtime.checkpoint import CheckpointError
+    from k3compile.runtime.data import DataError
+    from k3compile.runtime.train import TrainError
+
+    def ints(text, what):
+        try:
+            return tuple(int(x) for x in text.split(","))
+        except ValueError:
+            raise UsageError(f"--{what}: expected a comma list of integers, got {text!r}") from None
+
+    mqar = {}
+    for item in args.mqar:
+        key, _, value = item.partition("=")
+        mqar[key.strip()] = ints(value, "mqar")[0] if value else None
+    try:
+        ablate(args.base, args.variants, args.grid, steps=args.steps, tokens=args.tokens,
+               seeds=ints(args.seeds, "seeds") if args.seeds else None,
+               tasks=tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None, mqar=mqar or None,
+               data=args.data, overrides=args.overrides, eval_every=args.eval_every, jobs=args.jobs, out=args.out,
+               progress=True)
+    except (AblateError, TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch) as e:
+        raise UsageError(str(e)) from None
+    except TypeError as e:  # an unknown --mqar key
+        raise UsageError(f"--mqar: {e}") from None
+
+
 COMMANDS = {
-    "stats": _cmd_stats, "plan": _cmd_plan, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build, "generate": _cmd_generate,
-    "train": _cmd_train, "consolidate": _cmd_consolidate, "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf, "export": _cmd_export,
+    "stats": _cmd_stats, "plan": _cmd_plan, "check": _cmd_check, "diff": _cmd_diff, "build": _cmd_build,
+    "generate": _cmd_generate, "train": _cmd_train, "ablate": _cmd_ablate, "consolidate": _cmd_consolidate,
+    "import-hf": _cmd_import_hf, "export-hf": _cmd_export_hf, "export": _cmd_export,
 }
 
 

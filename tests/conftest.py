@@ -24,7 +24,7 @@ SPECS = ROOT / "specs"
 K3 = SPECS / "kimi-k3.yaml"
 KIMI_LINEAR = SPECS / "kimi-linear-48b-a3b.yaml"
 K3_TINY = SPECS / "k3-tiny.yaml"
-ALL_SPECS = sorted(SPECS.rglob("*.yaml"))
+ALL_SPECS = sorted(p for p in SPECS.rglob("*.yaml") if "studies" not in p.parts)  # studies are not specs
 ABLATIONS = sorted((SPECS / "ablations").glob("*.yaml"))
 
 

@@ -21,6 +21,12 @@ ABLATION_FIELDS = {
     "no-attn-res.yaml": {"name", "residual.kind", "residual.mode", "residual.block_size"},
     "no-latent.yaml": {"name", "moe.latent_size"},
     "swiglu.yaml": {"name", "activation.kind", "activation.beta1", "activation.beta2"},
+    "no-delta-rule.yaml": {"name", "kda.delta_rule"},
+    "head-decay.yaml": {"name", "kda.decay.granularity"},
+    "ratio-1-1.yaml": {"name", "layout.pattern"},
+    "attn-res-full.yaml": {"name", "residual.mode", "residual.block_size"},
+    "bias-sign.yaml": {"name", "moe.router.balancing"},
+    "no-balancing.yaml": {"name", "moe.router.balancing"},
 }
 
 
@@ -73,6 +79,9 @@ def test_ablation_diffs_move_the_right_numbers(cli, specs_dir):
     assert derived("no-attn-res.yaml")["flops_per_token.attn_res"]["b"] == 0
     assert derived("swiglu.yaml")["params.total"]["delta"] == 0  # same weights, different nonlinearity
     assert all(v["delta"] == 0 for v in derived("aux-loss.yaml").values())
+    assert derived("no-delta-rule.yaml")["params.by_component.kda.total"]["delta"] == -6 * 4 * 256  # no b_proj
+    assert derived("head-decay.yaml")["params.by_component.kda.total"]["delta"] == -6 * (64 * 252 + 252)
+    assert derived("ratio-1-1.yaml")["cache_bytes.mla_latent"]["delta"] > 0
 
 
 def test_diff_with_itself_changes_nothing(cli, shipped_spec):

@@ -9,6 +9,8 @@ the last token of a prefill of that length):
   (expanded form; the absorbed decode form moves, not removes, these);
 - KDA, chunked form with chunk C: H (6 dk^2 + 3 C dk + C^2) per layer and token
   (intra-chunk UT transform, inter-chunk state read and update);
+- without the delta rule (gated linear attention, chunk C' = 16): H (4 dk^2 + 4 C' dk) per layer and
+  token (decayed intra-chunk scores and their values, inter-chunk state read and update);
 - short convolution: 2 W (3 H dk) per KDA layer;
 - attention residuals: 4 S d per application (a dot product and a weighted sum
   over S sources; the norm is elementwise and not counted).
@@ -23,6 +25,7 @@ from k3compile.spec.schema import MIXER_KDA, MIXER_MLA, Spec
 from k3compile.spec.weights import weight_inventory
 
 KDA_CHUNK = 64
+GLA_CHUNK = 16  # kernels.gla.CHUNK
 
 
 def forward_flops_per_token(spec: Spec, context: int) -> dict:
@@ -36,8 +39,13 @@ def forward_flops_per_token(spec: Spec, context: int) -> dict:
         attention = n_mla * 2 * m.num_heads * (m.qk_nope_head_dim + m.qk_rope_head_dim + m.v_head_dim) * context
     kda = conv = 0
     if n_kda:
-        H, K, C = spec.kda.num_heads, spec.kda.head_dim, KDA_CHUNK
-        kda = n_kda * H * (6 * K * K + 3 * C * K + C * C)
+        H, K = spec.kda.num_heads, spec.kda.head_dim
+        if spec.kda.delta_rule:
+            C = KDA_CHUNK
+            kda = n_kda * H * (6 * K * K + 3 * C * K + C * C)
+        else:
+            C = GLA_CHUNK
+            kda = n_kda * H * (4 * K * K + 4 * C * K)
         conv = n_kda * 2 * spec.kda.short_conv_size * 3 * H * K
     attn_res = 4 * spec.hidden_size * sum(attn_res_source_counts(spec))
     return {

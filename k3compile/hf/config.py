@@ -286,6 +286,10 @@ def check_exportable(spec: Spec) -> None:
             raise _unsupported("kda.decay.form", k.decay.form, "its decay is the softplus form")
         if (k.decay.rank or k.head_dim) != k.head_dim:
             raise _unsupported("kda.decay.rank", k.decay.rank, f"the gate projection has rank head_dim ({k.head_dim})")
+        if not k.delta_rule:
+            raise _unsupported("kda.delta_rule", k.delta_rule, "its KDA uses the delta rule")
+        if k.decay.granularity != "channel":
+            raise _unsupported("kda.decay.granularity", k.decay.granularity, "its decay is per channel")
         if k.output_gate_rank != k.head_dim:
             raise _unsupported("kda.output_gate_rank", k.output_gate_rank, f"the output gate has rank head_dim ({k.head_dim})")
     if MIXER_MLA in spec.mixers:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from k3compile.modules.norms import RMSNorm
+from k3compile.ops.gla import gla, gla_decode_step
 from k3compile.ops.kda import kda, kda_decode_step, kda_gate
 from k3compile.ops.norms import l2_norm, rms_norm_gate
 from k3compile.ops.short_conv import short_conv
@@ -43,7 +44,9 @@ class KDAMixer(nn.Module):
     q, k, v = SiLU(ShortConv(W_{q,k,v} x)), q and k L2-normalised per head; g from the low-rank
     f = f_up(f_down x) in the K3 ("lower_bounded_sigmoid") or Kimi Linear ("softplus") form;
     beta = sigmoid(b_proj x); y = o_proj(RMSNorm_head(o) * sigmoid(gate x)), gate full rank (g_proj)
-    when gate_rank is None, else g_up(g_down x).
+    when gate_rank is None, else g_up(g_down x). Ablations: delta_rule=False is plain gated linear attention
+    (no b_proj, k3::gla_*); decay_granularity="head" gives one decay per head (f_up: r -> H, dt_bias [H]),
+    broadcast over the key channels.
 
     forward(x, state, mode): mode None picks "chunk" for T > 1 and "decode" (the fused one-token step)
     for T == 1; "recurrent" steps token by token. Pass mode explicitly under torch.fx.symbolic_trace.
@@ -66,6 +69,8 @@ class KDAMixer(nn.Module):
         norm_eps: float = 1e-5,
         init_std: float = 0.02,
         chunk_size: int = 64,
+        delta_rule: bool = True,
+        decay_granularity: str = "channel",
     ):
         super().__init__()
         if decay_form == "lower_bounded_sigmoid" and lower_bound is None:
@@ -73,6 +78,10 @@ class KDAMixer(nn.Module):
         D, H, K = hidden_size, num_heads, head_dim
         P = H * K
         r = head_dim if decay_rank is None else decay_rank
+        if decay_granularity not in ("channel", "head"):
+            raise ValueError(f"decay_granularity must be channel or head, got {decay_granularity!r}")
+        decays = H if decay_granularity == "head" else P
+        self.delta_rule, self.decay_granularity = delta_rule, decay_granularity
         self.num_heads, self.head_dim, self.conv_size = H, K, conv_size
         self.decay_form, self.lower_bound = decay_form, -5.0 if lower_bound is None else lower_bound
         self.gate_rank, self.norm_eps, self.init_std, self.chunk_size = gate_rank, norm_eps, init_std, chunk_size
@@ -84,10 +93,11 @@ class KDAMixer(nn.Module):
         self.k_conv = ShortConv(P, conv_size)
         self.v_conv = ShortConv(P, conv_size)
         self.f_down = nn.Linear(D, r, bias=False)
-        self.f_up = nn.Linear(r, P, bias=False)
+        self.f_up = nn.Linear(r, decays, bias=False)
         self.A_log = nn.Parameter(torch.empty(H))
-        self.dt_bias = nn.Parameter(torch.empty(P))
-        self.b_proj = nn.Linear(D, H, bias=False)
+        self.dt_bias = nn.Parameter(torch.empty(decays))
+        if delta_rule:
+            self.b_proj = nn.Linear(D, H, bias=False)
         if gate_rank is None:
             self.g_proj = nn.Linear(D, P, bias=False)
         else:
@@ -128,18 +138,27 @@ class KDAMixer(nn.Module):
         v, v_state = self.v_conv(self.v_proj(x_BTD), None if state is None else state.v_conv)
         q, k = l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K))
         v = v.view(B, T, H, K)
-        g = kda_gate(self.f_up(self.f_down(x_BTD)).view(B, T, H, K), self.A_log, self.dt_bias,
+        per_head = self.decay_granularity == "head"
+        g = kda_gate(self.f_up(self.f_down(x_BTD)).view(B, T, H, 1 if per_head else K), self.A_log, self.dt_bias,
                      self.decay_form, self.lower_bound)
-        beta = torch.sigmoid(self.b_proj(x_BTD).float())
+        if per_head:
+            g = g.expand(B, T, H, K).contiguous()
         recurrent = None if state is None else state.recurrent
         if mode == "decode":
             if isinstance(T, int) and T != 1:  # (under fx tracing T is symbolic)
                 raise ValueError(f"mode 'decode' takes one token at a time, got T={T}")
             if recurrent is None:
                 recurrent = x_BTD.new_zeros(B, H, K, K, dtype=torch.float32)
-            o, S = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
+            if self.delta_rule:
+                beta = torch.sigmoid(self.b_proj(x_BTD).float())
+                o, S = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
+            else:
+                o, S = gla_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], recurrent)
             o = o[:, None]
+        elif not self.delta_rule:
+            o, S = gla(q, k, v, g, initial_state=recurrent)
         else:
+            beta = torch.sigmoid(self.b_proj(x_BTD).float())
             o, S = kda(q, k, v, g, beta, initial_state=recurrent, output_final_state=True, mode=mode,
                        chunk_size=self.chunk_size)
         gate = self._gate(x_BTD).view(B, T, H, K)

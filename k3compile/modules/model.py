@@ -53,6 +53,8 @@ def make_mixer(spec: Spec, layer: int) -> nn.Module:
             decay_rank=k.decay.rank or k.head_dim,
             gate_rank=k.output_gate_rank,
             norm_eps=spec.norm_eps,
+            delta_rule=k.delta_rule,
+            decay_granularity=k.decay.granularity,
         )
     m = spec.mla
     return MLAMixer(

@@ -18,6 +18,7 @@ from k3compile.ops.balancing import (
 )
 from k3compile.ops.experts import expert_glu, expert_matmul, mx_expert_glu, mx_expert_matmul
 from k3compile.ops.fused import linear_glu
+from k3compile.ops.gla import gla, gla_decode_step
 from k3compile.ops.kda import kda, kda_decode_step, kda_gate
 from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
 from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, route
@@ -35,6 +36,8 @@ __all__ = [
     "expert_matmul",
     "expert_mlp",
     "gelu",
+    "gla",
+    "gla_decode_step",
     "kda",
     "kda_decode_step",
     "kda_gate",

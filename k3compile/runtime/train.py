@@ -289,9 +289,11 @@ def train_step(run: Run, step: int, total: int) -> dict:
     lr = lr_at(step, total, t.lr, t.schedule)
     for group in run.optimizer.param_groups:
         group["lr"] = lr
-    tokens = run.layout.rows(run.batches.next())  # this rank's rows of the global batch
+    batch = run.batches.next()  # token windows (labels are the tokens), or (tokens, labels): a task's batches
+    tokens, labels = batch if isinstance(batch, tuple) else (batch, batch)
+    tokens, labels = run.layout.rows(tokens), run.layout.rows(labels)  # this rank's rows of the global batch
     start = time.perf_counter()
-    loss = run.model(tokens, tokens)
+    loss = run.model(tokens, labels)
     value = dist_rt.mean(run.layout, float(loss.detach()))
     if not math.isfinite(value):
         raise TrainError(f"the loss is {value} at step {step + 1}; lower training.lr or check the data")

@@ -93,6 +93,11 @@ class DecayGate(_Frozen):
     rank: Pos | None = Field(
         default=None, description="Rank of the f = W_up W_down x projection; null means the KDA head dim."
     )
+    granularity: Literal["channel", "head"] = Field(
+        default="channel",
+        description="channel (K3): one decay per key channel, f_up: rank -> H*dk, dt_bias [H*dk]; "
+        "head (the Gated DeltaNet form): one decay per head, f_up: rank -> H, dt_bias [H].",
+    )
 
     @model_validator(mode="after")
     def _bound_matches_form(self) -> "DecayGate":
@@ -115,6 +120,11 @@ class KDA(_Frozen):
     output_gate_rank: Pos | None = Field(
         default=None,
         description="Rank of the sigmoid output gate W_g (d -> r -> H*dk); null means full rank (d -> H*dk).",
+    )
+    delta_rule: bool = Field(
+        default=True,
+        description="true (KDA): the gated delta rule S_t = (I - beta_t k_t k_t^T) diag(a_t) S_{t-1} + beta_t k_t v_t^T; "
+        "false: plain gated linear attention S_t = diag(a_t) S_{t-1} + k_t v_t^T (no beta projection).",
     )
 
 

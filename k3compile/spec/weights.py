@@ -109,11 +109,13 @@ def _kda(b: _Builder, p: str, i: int) -> None:
         b.linear(f"{p}.{n}_proj", P, d, c, layer=i)
     for n in ("q", "k", "v"):
         b.add(f"{p}.{n}_conv.weight", (P, k.short_conv_size), c, layer=i)
+    decays = H if k.decay.granularity == "head" else P  # one decay per head, or per key channel
     b.linear(f"{p}.f_down", r, d, c, layer=i)
-    b.linear(f"{p}.f_up", P, r, c, layer=i)
+    b.linear(f"{p}.f_up", decays, r, c, layer=i)
     b.add(f"{p}.A_log", (H,), c, layer=i)
-    b.add(f"{p}.dt_bias", (P,), c, layer=i)
-    b.linear(f"{p}.b_proj", H, d, c, layer=i)
+    b.add(f"{p}.dt_bias", (decays,), c, layer=i)
+    if k.delta_rule:
+        b.linear(f"{p}.b_proj", H, d, c, layer=i)
     if k.output_gate_rank is None:
         b.linear(f"{p}.g_proj", P, d, c, layer=i)
     else:

@@ -71,3 +71,9 @@ def test_k3_is_about_two_flops_per_active_parameter(k3_spec):
     # Gated MLA at 1M context: 24 layers x 2 x 96 heads x (128 + 64 + 128) x N
     n = 1 << 20
     assert forward_flops_per_token(k3_spec, n)["attention"] == 24 * 2 * 96 * 320 * n
+
+
+def test_gated_linear_attention_term(hand_text):
+    """Without the delta rule: H (4 dk^2 + 4 C dk) per KDA layer and token, chunk C = 16."""
+    spec = load_spec_text(hand_text.replace("output_gate_rank: 4", "output_gate_rank: 4\n  delta_rule: false"))
+    assert forward_flops_per_token(spec, 128)["kda"] == 2 * 2 * (4 * 16 * 16 + 4 * 16 * 16)

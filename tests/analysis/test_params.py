@@ -155,3 +155,12 @@ def test_kimi_linear_48b_a3b(kimi_linear_spec):
     # 3.6% above 3e9, so the check allows 4%. Dropping the head would give 2.73e9 (9% under).
     assert p["active"] == pytest.approx(3e9, rel=0.04)
     assert p["by_component"]["routed_experts"]["total"] == 26 * 256 * 3 * 1024 * 2304
+
+
+def test_kda_ablations_without_delta_rule_and_per_head_decay(hand_text):
+    """delta_rule false has no b_proj; per-head decay projects to H decays (f_up r -> H, dt_bias [H])."""
+    text = hand_text.replace("rank: 8}", "rank: 8, granularity: head}").replace(
+        "output_gate_rank: 4", "output_gate_rank: 4\n  delta_rule: false")
+    by = param_counts(load_spec_text(text))["by_component"]
+    kda_layer = sum(KDA_LAYER.values()) - KDA_LAYER["b_proj"] - KDA_LAYER["f_up"] - KDA_LAYER["dt_bias"] + 2 * 8 + 2
+    assert by["kda"]["total"] == 2 * kda_layer

@@ -132,3 +132,21 @@ def test_zero_tokens_give_an_empty_output_and_the_same_state():
     out, after = mixer(_x(T=0), state)
     assert out.shape == (2, 0, D)
     assert all(torch.equal(a, b) for a, b in zip(after, state))
+
+
+def test_ablations_no_delta_rule_and_head_decay():
+    """delta_rule=False drops b_proj and runs gated linear attention; per-head decay shrinks f_up and dt_bias.
+    Both keep prefill + decode equal to one full forward."""
+    m = _mixer(delta_rule=False, decay_granularity="head")
+    shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
+    assert "b_proj.weight" not in shapes and shapes["f_up.weight"] == (H, 4) and shapes["dt_bias"] == (H,)
+    x = _x()
+    y_full, s_full = m(x)
+    y, state = m(x[:, :15])
+    ys = [y]
+    for t in range(15, x.shape[1]):
+        y, state = m(x[:, t : t + 1], state)
+        ys.append(y)
+    assert _rel(torch.cat(ys, 1), y_full) < 1e-5 and _rel(state.recurrent, s_full.recurrent) < 1e-5
+    head = _mixer(decay_granularity="head")  # the delta rule with one decay per head
+    assert _rel(head(x)[0], head(x, mode="recurrent")[0]) < 1e-5

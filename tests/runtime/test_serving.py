@@ -126,3 +126,11 @@ def test_decode_shapes_never_change(mx):
             _, cache = model.decode(TOKENS[:, t], cache)
             assert {k: v.shape for k, v in cache.tensors.items()} == shapes
             assert {k: v.data_ptr() for k, v in cache.tensors.items() if k.startswith("mla_cache")} == mla
+
+
+@pytest.mark.parametrize("field", ["kda.delta_rule=false", "kda.decay.granularity=head"])
+def test_kda_ablations_serve_through_prefill_and_decode(tmp_path_factory, field):
+    """Gated linear attention (k3::gla_chunk / k3::gla_decode_step) and per-head decay in compiled graphs."""
+    model, full = _served(tmp_path_factory, NO_QUANT + ["num_layers=4", field])
+    got = _prefill_then_decode(model, 65)
+    assert rel(got, full[:, : 65 + STEPS]) <= 1e-5

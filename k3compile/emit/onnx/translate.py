@@ -32,6 +32,8 @@ UNTRANSLATED = {
     "sign_balance_update": "training only: DeepSeek-V3's bias update",
     "mx_quantize": "builds MX weights, which the graphs receive already packed",
     "kda_recurrent": "no graph uses it (KDA runs chunked, and one token at a time through kda_decode_step)",
+    "gla_chunk": "not exported yet: gated linear attention (kda.delta_rule false), an ablation",
+    "gla_decode_step": "not exported yet: gated linear attention (kda.delta_rule false), an ablation",
     "mla_rope": "no shipped spec rotates its MLA keys (rope: false); no graph uses it",
     "mla_rope_at": "no shipped spec rotates its MLA keys (rope: false); no graph uses it",
 }

@@ -1,0 +1,214 @@
+"""`k3compile ablate`: train a base spec and its variants on the same data, seeds and budget; compare them.
+
+Every run (variant x task x seed) lives in OUT/runs/<variant>/<task>-seed<s>/ and is finished when it holds
+result.json; a rerun of the same study skips finished runs and resumes the interrupted one from its checkpoint.
+Results: OUT/results.json, OUT/results.md, OUT/loss.png, OUT/mqar.png (see docs/ablations.md).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+from k3compile.ablation.study import AblateError, RunKey, Study, load_study, resolve_study
+
+__all__ = ["AblateError", "ablate", "load_study", "resolve_study", "run_study"]
+
+MARKER = "study.json"
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._=,-]", "_", name)
+
+
+def _prepare(study: Study) -> Path | None:
+    """Create OUT (or check that it holds this same study); returns the folder created, to undo on failure."""
+    out = study.out
+    marker = out / MARKER
+    if out.exists() and not out.is_dir():
+        raise AblateError(f"output {out} exists and is not a folder")
+    if marker.exists():
+        try:
+            held = json.loads(marker.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            raise AblateError(f"{marker} is unreadable; choose another --out") from None
+        if held != study.fingerprint():
+            raise AblateError(f"{out} holds another study (other variants, budget, seeds, tasks or data); "
+                              "choose another --out")
+        return None
+    if out.exists() and any(out.iterdir()):
+        raise AblateError(f"output {out} exists, is not empty and holds no study; choose another --out")
+    created = None if out.exists() else out
+    while created is not None and not created.parent.exists():
+        created = created.parent
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        from k3compile.ablation.run import write_json
+
+        write_json(marker, study.fingerprint())
+    except OSError as e:
+        raise AblateError(f"cannot write to output folder {out}: {e.strerror or e}") from None
+    return created
+
+
+def _run_dir(study: Study, key: RunKey) -> Path:
+    return study.out / "runs" / _slug(key.variant) / f"{key.task}-seed{key.seed}"
+
+
+def _worker(args) -> dict | None:
+    """One run in a worker process (--jobs > 1): its torch thread share, its build loaded, progress on the queue."""
+    study, key, threads, queue = args
+    import torch
+
+    from k3compile.ablation.run import run_one
+    from k3compile.loader import load
+
+    torch.set_num_threads(threads)
+    package = load(study.out / "builds" / _slug(key.variant) / _package_dir(study, key.variant))
+    return run_one(key, study.variant(key.variant), package, study.steps[key.variant], study.eval_every,
+                   study.mqar, study.data, _run_dir(study, key), tick=lambda n: queue.put((key.id, n)))
+
+
+def _build(spec, build_dir: Path, say):
+    """The variant's training Model (train graph only: a study never serves), reusing a build of the same
+    architecture and compiler version."""
+    import torch
+
+    from k3compile import __version__, load
+    from k3compile.build import BuildOptions, build, package_name
+    from k3compile.emit.package import is_build_dir
+    from k3compile.runtime.train import TrainError, _same_architecture
+    from k3compile.spec.schema import Spec
+
+    dest = build_dir / package_name(spec)
+    target = spec.target if torch.cuda.is_available() else "cpu"
+    if is_build_dir(dest):
+        try:
+            manifest = json.loads((dest / "manifest.json").read_text(encoding="utf-8"))
+            same = (manifest["compiler"] == f"k3compile {__version__}" and manifest.get("target") == target
+                    and _same_architecture(Spec.model_validate(manifest["spec"]["fields"]), spec))
+        except (OSError, ValueError, KeyError, TypeError):
+            same = False
+        if same:
+            return load(dest)
+    say(f"building {spec.name} (train graph) into {build_dir}")
+    try:
+        dest, _ = build(spec, build_dir, BuildOptions(mode="train", target=target))
+    except ValueError as e:
+        raise TrainError(f"cannot build {spec.name}: {e}") from None
+    return load(dest)
+
+
+def _package_dir(study: Study, variant: str) -> str:
+    from k3compile.build import package_name
+
+    return package_name(study.variant(variant).spec)
+
+
+def run_study(study: Study, progress: bool = True) -> dict:
+    """Build every variant, run every unfinished run, write the results; returns results.json's document."""
+    from k3compile.ablation import results as res
+    from k3compile.ablation.progress import display
+    from k3compile.ablation.run import run_one, write_json
+    from k3compile.runtime.train import _stop_flag
+
+    created = _prepare(study)
+    keys = study.runs()
+    done = {k.id: json.loads((_run_dir(study, k) / "result.json").read_text()) for k in keys
+            if (_run_dir(study, k) / "result.json").exists()}
+    todo = [k for k in keys if k.id not in done]
+    with display(progress, study, keys, done) as show:
+        try:
+            packages = {}
+            for v in study.variants:
+                if any(k.variant == v.name for k in todo):
+                    packages[v.name] = _build(v.spec, study.out / "builds" / _slug(v.name), show.say)
+        except BaseException:
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
+            raise
+        if study.jobs == 1 or len(todo) <= 1:
+            with _stop_flag() as stopping:
+                for key in todo:
+                    show.start(key)
+                    result = run_one(key, study.variant(key.variant), packages[key.variant], study.steps[key.variant],
+                                     study.eval_every, study.mqar, study.data, _run_dir(study, key),
+                                     tick=lambda n, key=key: show.tick(key, n),
+                                     stopping=lambda: stopping.signum is not None)
+                    if result is None:
+                        from k3compile.runtime.train import Interrupted
+
+                        show.say(f"stopped during {key.id}; rerun the same command to continue")
+                        raise Interrupted(stopping.signum)
+                    done[key.id] = result
+                    show.finish(key, result)
+        else:
+            done.update(_parallel(study, todo, show))
+    doc = res.collect(study, done)
+    write_json(study.out / "results.json", doc)
+    (study.out / "results.md").write_text(res.markdown(doc), encoding="utf-8")
+    res.plots(doc, study.out)
+    if progress:
+        show.table(doc)
+    return doc
+
+
+def _parallel(study: Study, todo: list[RunKey], show) -> dict:
+    import multiprocessing as mp
+    import os
+    import queue as queues
+    from concurrent.futures import ProcessPoolExecutor
+
+    ctx = mp.get_context("spawn")
+    threads = max(1, (os.cpu_count() or 1) // study.jobs)
+    manager = ctx.Manager()
+    q = manager.Queue()
+    finished = {}
+    with ProcessPoolExecutor(study.jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(_worker, (study, key, threads, q)): key for key in todo}
+        for key in todo:
+            show.start(key)
+        pending = set(futures)
+        while pending:
+            try:
+                run_id, n = q.get(timeout=0.5)
+                show.tick(next(k for k in todo if k.id == run_id), n)
+            except queues.Empty:
+                pass
+            for f in [f for f in pending if f.done()]:
+                pending.discard(f)
+                finished[futures[f].id] = f.result()
+                show.finish(futures[f], finished[futures[f].id])
+    manager.shutdown()
+    return finished
+
+
+def ablate(
+    base: str | Path, variants=(), grid=(), steps: int | None = None, tokens: int | None = None, seeds=None,
+    tasks=None, mqar=None, data=None, overrides=(), eval_every=None, jobs: int | None = None, out=None,
+    progress: bool = False,
+) -> dict:  # fmt: skip
+    """Run a study and return its results (results.json's document). `base` may be a STUDY.yaml (a mapping with
+    a `base:` key); the arguments given (not None or empty) then override its fields. Bad input raises
+    AblateError before anything is built or written."""
+    if _is_study_file(base):
+        study = load_study(base, variants=list(variants), grid=list(grid), steps=steps, tokens=tokens, seeds=seeds,
+                           tasks=tasks, mqar=mqar, data=data, overrides=tuple(overrides), eval_every=eval_every,
+                           jobs=jobs, out=out)
+    else:
+        study = resolve_study(base, variants, grid, steps, tokens, seeds or (0,), tasks or ("lm", "mqar"), mqar, data,
+                              overrides, eval_every, jobs or 1, out)
+    return run_study(study, progress)
+
+
+def _is_study_file(path) -> bool:
+    """A study file is a YAML mapping with a top-level `base:` (a spec never has one)."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and "base" in data or not data
