@@ -27,7 +27,7 @@ from k3compile.spec.schema import MIXER_KDA
 from k3compile.spec.weights import weight_inventory
 
 SPECS = Path(__file__).resolve().parents[2] / "specs"
-ALL_SPECS = sorted(SPECS.rglob("*.yaml"))
+ALL_SPECS = sorted(p for p in SPECS.rglob("*.yaml") if "studies" not in p.parts)  # studies are not specs
 PARAM_PASSES = [interleave.PASS, attn_res.PASS]  # the passes that inline the kept mixer and depth-site calls
 
 
