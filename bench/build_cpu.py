@@ -38,8 +38,11 @@ def run_build(python: str, spec: Path, out: Path) -> tuple[float, float]:
     code = "import sys; from k3compile.cli import main; sys.exit(main(sys.argv[1:]))"
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     wall = time.perf_counter()
-    subprocess.run([python, "-c", code, "build", str(spec), "-o", str(out)], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # cwd elsewhere: `python -c` puts the cwd first on sys.path, which would import this checkout's k3compile
+    done = subprocess.run([python, "-c", code, "build", str(spec), "-o", str(out)], cwd=out.parent,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    if done.returncode:
+        raise SystemExit(f"{python}: build {spec} failed: {done.stderr.strip().splitlines()[-1]}")
     wall = time.perf_counter() - wall
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), wall
