@@ -439,6 +439,8 @@ def _cmd_export_hf(args) -> None:
     except ValueError as e:
         raise UsageError(" ".join(str(e).split())) from None
     print(f"wrote {args.out}: {', '.join(p.name for p in files)}")
+
+
 # ---------------------------------------------------------------- export (issue 12)
 
 

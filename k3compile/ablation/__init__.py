@@ -72,33 +72,10 @@ def _worker(args) -> dict | None:
 
 
 def _build(spec, build_dir: Path, say):
-    """The variant's training Model (train graph only: a study never serves), reusing a build of the same
-    architecture and compiler version."""
-    import torch
+    """The variant's training Model (train graph only: a study never serves), reusing a matching build."""
+    from k3compile.runtime.train import build_package
 
-    from k3compile import __version__, load
-    from k3compile.build import BuildOptions, build, package_name
-    from k3compile.emit.package import is_build_dir
-    from k3compile.runtime.train import TrainError, _same_architecture
-    from k3compile.spec.schema import Spec
-
-    dest = build_dir / package_name(spec)
-    target = spec.target if torch.cuda.is_available() else "cpu"
-    if is_build_dir(dest):
-        try:
-            manifest = json.loads((dest / "manifest.json").read_text(encoding="utf-8"))
-            same = (manifest["compiler"] == f"k3compile {__version__}" and manifest.get("target") == target
-                    and _same_architecture(Spec.model_validate(manifest["spec"]["fields"]), spec))
-        except (OSError, ValueError, KeyError, TypeError):
-            same = False
-        if same:
-            return load(dest)
-    say(f"building {spec.name} (train graph) into {build_dir}")
-    try:
-        dest, _ = build(spec, build_dir, BuildOptions(mode="train", target=target))
-    except ValueError as e:
-        raise TrainError(f"cannot build {spec.name}: {e}") from None
-    return load(dest)
+    return build_package(spec, build_dir, say, mode="train")
 
 
 def _package_dir(study: Study, variant: str) -> str:

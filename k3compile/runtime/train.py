@@ -108,11 +108,11 @@ def _same_architecture(a: Spec, b: Spec) -> bool:
     return a.model_dump(exclude={"training"}) == b.model_dump(exclude={"training"})
 
 
-def _why_not_reusable(dest: Path, spec: Spec, target: str) -> str | None:
+def _why_not_reusable(dest: Path, spec: Spec, target: str, mode: str = "both") -> str | None:
     """None when the build at `dest` is what training `spec` would build now, else why not (one phrase).
 
     Reused only when all match: the architecture (training.* aside: it is not compiled in), a training
-    Model, every pass run, this compiler version and the target.
+    Model (and an InferenceModel unless `mode` is "train"), every pass run, this compiler version and the target.
     """
     from k3compile import __version__
     from k3compile.build import pipeline
@@ -129,7 +129,7 @@ def _why_not_reusable(dest: Path, spec: Spec, target: str) -> str | None:
         return f"it was built for {manifest.get('target')}, not {target}"
     if "train" not in modes:
         return "it has no training Model (built with --mode infer)"
-    if "infer" not in modes:
+    if "infer" not in modes and mode != "train":
         return "it has no InferenceModel to generate from (built with --mode train)"
     skipped = [r.get("name") for r in passes.get("train", []) if r.get("status") != "ran"]
     if skipped or [r.get("name") for r in passes.get("train", [])] != [p.name for p in pipeline()]:
@@ -139,9 +139,9 @@ def _why_not_reusable(dest: Path, spec: Spec, target: str) -> str | None:
     return None
 
 
-def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
-    """Build `spec` (train and infer graphs) into `build_dir`, reusing a build there that matches it
-    (`_why_not_reusable`)."""
+def build_package(spec: Spec, build_dir: Path, say, mode: str = "both") -> ModuleType:
+    """Build `spec` (train and infer graphs, or with `mode="train"` the train graph only) into `build_dir`,
+    reusing a build there that matches it (`_why_not_reusable`)."""
     from k3compile.build import BuildOptions, build, package_name
     from k3compile.emit.package import is_build_dir
     from k3compile.loader import load
@@ -150,14 +150,15 @@ def build_package(spec: Spec, build_dir: Path, say) -> ModuleType:
     # Without a GPU, bind the PyTorch references whatever the spec's target (its Triton kernels need CUDA).
     target = spec.target if torch.cuda.is_available() else "cpu"
     if is_build_dir(dest):
-        why = _why_not_reusable(dest, spec, target)
+        why = _why_not_reusable(dest, spec, target, mode)
         if why is None:
             say(f"reusing the build in {dest}")
             return load(dest)
         say(f"rebuilding {dest}: {why}")
-    say(f"building {spec.name} (train and infer graphs) into {build_dir}")
+    graphs = "train graph" if mode == "train" else "train and infer graphs"
+    say(f"building {spec.name} ({graphs}) into {build_dir}")
     try:
-        dest, _ = build(spec, build_dir, BuildOptions(mode="both", target=target))
+        dest, _ = build(spec, build_dir, BuildOptions(mode=mode, target=target))
     except ValueError as e:
         raise TrainError(f"cannot build {spec.name}: {e}") from None
     return load(dest)

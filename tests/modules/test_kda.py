@@ -49,17 +49,23 @@ def test_init():
     assert abs(m.q_proj.weight.std().item() - 0.02) < 0.005
 
 
-@pytest.mark.parametrize("form,gate_rank", [("lower_bounded_sigmoid", None), ("softplus", 3)])
-def test_prefill_then_decode_equals_full_forward(form, gate_rank):
-    m = _mixer(form, gate_rank)
-    x = _x()
+def _prefill_then_decode(m, x):
+    """(full forward, prefill of 15 tokens then one decode step per token): outputs and final states."""
     y_full, s_full = m(x)
     y, state = m(x[:, :15])
     ys = [y]
     for t in range(15, x.shape[1]):
         y, state = m(x[:, t : t + 1], state)
         ys.append(y)
-    assert _rel(torch.cat(ys, 1), y_full) < 1e-5
+    return (y_full, s_full), (torch.cat(ys, 1), state)
+
+
+@pytest.mark.parametrize("form,gate_rank", [("lower_bounded_sigmoid", None), ("softplus", 3)])
+def test_prefill_then_decode_equals_full_forward(form, gate_rank):
+    m = _mixer(form, gate_rank)
+    x = _x()
+    (y_full, s_full), (y_steps, state) = _prefill_then_decode(m, x)
+    assert _rel(y_steps, y_full) < 1e-5
     assert _rel(state.recurrent, s_full.recurrent) < 1e-5
     for a, b in zip(state[1:], s_full[1:]):
         assert a.shape == (2, P, W - 1) and _rel(a, b) < 1e-5
@@ -141,12 +147,7 @@ def test_ablations_no_delta_rule_and_head_decay():
     shapes = {n: tuple(p.shape) for n, p in m.named_parameters()}
     assert "b_proj.weight" not in shapes and shapes["f_up.weight"] == (H, 4) and shapes["dt_bias"] == (H,)
     x = _x()
-    y_full, s_full = m(x)
-    y, state = m(x[:, :15])
-    ys = [y]
-    for t in range(15, x.shape[1]):
-        y, state = m(x[:, t : t + 1], state)
-        ys.append(y)
-    assert _rel(torch.cat(ys, 1), y_full) < 1e-5 and _rel(state.recurrent, s_full.recurrent) < 1e-5
+    (y_full, s_full), (y_steps, state) = _prefill_then_decode(m, x)
+    assert _rel(y_steps, y_full) < 1e-5 and _rel(state.recurrent, s_full.recurrent) < 1e-5
     head = _mixer(decay_granularity="head")  # the delta rule with one decay per head
     assert _rel(head(x)[0], head(x, mode="recurrent")[0]) < 1e-5
