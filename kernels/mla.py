@@ -21,11 +21,18 @@ def rope_ref(x: Tensor, start_pos: int, theta: float) -> Tensor:
 
     Half-split (NeoX) pairing: channel i rotates with channel i + R/2 by angle pos * theta^(-2i/R).
     """
-    T, R = x.shape[1], x.shape[-1]
+    T = x.shape[1]
+    pos = torch.arange(start_pos, start_pos + T, device=x.device, dtype=upcast(x).dtype)
+    return _rotate(x, pos, theta, (1, T))
+
+
+def _rotate(x: Tensor, pos: Tensor, theta: float, lead: tuple[int, int]) -> Tensor:
+    """x [lead..., ..., R] rotated half-split: channel i with i + R/2 by angle pos * theta^(-2i/R), where
+    pos lies over x's first two dims as `lead` ([1, T] for one sequence, [B, 1] for one token each)."""
+    R = x.shape[-1]
     xf = upcast(x)
     inv_freq = theta ** (-torch.arange(0, R // 2, device=x.device, dtype=xf.dtype) * 2 / R)
-    pos = torch.arange(start_pos, start_pos + T, device=x.device, dtype=xf.dtype)
-    angle = (pos[:, None] * inv_freq[None, :]).view((1, T) + (1,) * (x.dim() - 3) + (R // 2,))
+    angle = (pos.to(xf.dtype)[:, None] * inv_freq[None, :]).view(lead + (1,) * (x.dim() - 3) + (R // 2,))
     cos, sin = torch.cos(angle), torch.sin(angle)
     x1, x2 = xf[..., : R // 2], xf[..., R // 2 :]
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
@@ -36,13 +43,7 @@ def rope_at_ref(x: Tensor, positions_B: Tensor, theta: float) -> Tensor:
 
     The decode step's form: positions are a tensor, so the step keeps static shapes and reads no host value.
     """
-    R = x.shape[-1]
-    xf = upcast(x)
-    inv_freq = theta ** (-torch.arange(0, R // 2, device=x.device, dtype=xf.dtype) * 2 / R)
-    angle = (positions_B.to(xf.dtype)[:, None] * inv_freq[None, :]).view((-1, 1) + (1,) * (x.dim() - 3) + (R // 2,))
-    cos, sin = torch.cos(angle), torch.sin(angle)
-    x1, x2 = xf[..., : R // 2], xf[..., R // 2 :]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+    return _rotate(x, positions_B, theta, (-1, 1))
 
 
 def _causal_softmax(scores_BHTS: Tensor, lengths_B: Tensor | None = None) -> Tensor:
