@@ -43,7 +43,7 @@ def expert_region(buffer: fx.Node, expert_out: fx.Node) -> list[fx.Node]:
         if n in down and n not in region:
             region.add(n)
             stack.extend(a for a in n.all_input_nodes)
-    return [n for n in buffer.graph.nodes if n in region]
+    return sorted(region)  # fx nodes order as in the graph
 
 
 def _leading(node: fx.Node) -> int | None:

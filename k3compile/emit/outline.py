@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import torch
 from torch import fx
+from torch.utils import _pytree as pytree
 
 from k3compile.ir.lower import EXAMPLE_BATCH, EXAMPLE_CACHE_LEN, EXAMPLE_TOKENS
 
@@ -126,6 +127,28 @@ def region_graph(r: Region) -> tuple[fx.Graph, list[str]]:
     outs = [env[o] for o in r.outputs]
     g.output(outs[0] if len(outs) == 1 else tuple(outs))
     return g, names
+
+
+def fingerprint(r: Region) -> str:
+    """Everything `region_graph`'s printed code depends on: each node's op, target (relative to its layer),
+    arguments (values of the region by position) and shape, and each input's name and shape."""
+    index = {a: f"%in{i}:{_input_name(a, i)}:{_value(a)}" for i, a in enumerate(r.inputs)}
+    index.update((n, f"%{j}") for j, n in enumerate(r.nodes))
+
+    def leaf(a):
+        if isinstance(a, fx.Node):
+            return index[a]
+        return f"<tensor {id(a)}>" if isinstance(a, torch.Tensor) else a
+
+    rows = [(n.op, sublayer_of(n.target)[2] if n.op == "get_attr" else n.target,
+             fx.node.map_aggregate((n.args, n.kwargs), leaf), _value(n)) for n in r.nodes]  # fmt: skip
+    return repr((list(index.values())[: len(r.inputs)], rows, [index[o] for o in r.outputs]))
+
+
+def _value(n: fx.Node) -> str:
+    """A node's recorded value as text: tensors by dtype and shape, anything else by repr."""
+    val = pytree.tree_map_only(torch.Tensor, lambda t: (t.dtype, tuple(t.shape)), n.meta.get("val"))
+    return repr(val)
 
 
 def _input_name(node: fx.Node, i: int) -> str:
@@ -334,12 +357,16 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
     signature: dict[str, str] = {}
     variants: Counter = Counter()
     globals_: dict = {}
+    bodies: dict[str, str] = {}  # region fingerprint -> body: the code of each distinct region generated once
     for step in steps:
         if isinstance(step, fx.Node):
             continue
-        g, _ = region_graph(step)
-        code = g.python_code(root_module="layer", verbose=True)
-        body = unpack_shapes(inline_simple(readable(code.src, keep_deletions=False)))
+        key = fingerprint(step)
+        if key not in bodies:
+            code = region_graph(step)[0].python_code(root_module="layer", verbose=True)
+            bodies[key] = unpack_shapes(inline_simple(readable(code.src, keep_deletions=False)))
+            globals_.update(code.globals)
+        body = bodies[key]
         if body not in kinds:
             if step.part == "attn":
                 kind = "kda" if spec.mixers[step.layer] == "K" else "mla"
@@ -349,7 +376,6 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
             variants[base] += 1
             kinds[body] = base + (f"_{variants[base]}" if variants[base] > 1 else "")
             signature[kinds[body]] = _DESCRIBE[kind]
-            globals_.update(code.globals)
         names[id(step)] = kinds[body]
         users.setdefault(kinds[body], []).append(step.layer)
     functions = [_function(name, body, signature[name], users[name], graph) for body, name in kinds.items()]

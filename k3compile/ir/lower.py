@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import fx, nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from k3compile.ir.verify import eliminate_dead_code
 from k3compile.modules.kda import KDAMixer, KDAState
@@ -110,7 +111,9 @@ def lower(spec: Spec, device: torch.device | str = "meta", graph: str = "train",
     tracer = LowerTracer()
     tracer.traced_func_name = ENTRY[graph]
     traced = tracer.trace(root)
-    gm = fx.GraphModule(root, traced, class_name=_class_name(spec))
+    # lazy: the Python code is generated when first run or read, not after each rewrite (passes and the
+    # emitter work on the graph; regenerating a Kimi K3 graph's code costs about a second)
+    gm = _LazyGraphModule(root, traced, class_name=_class_name(spec))
     eliminate_dead_code(gm)  # tuple outputs a configuration leaves unread (router scores without QB)
     gm.recompile()
     _keep_buffer_persistence(root, gm)

@@ -148,9 +148,9 @@ class PassManager:
                 record.max_rel_diff = self._check_numerics(p, ctx)
             self.records.append(record)
             self._dump(gm, i + 1, p.name)
-        if incremental:
+        if incremental:  # every value is already current (the incremental propagation): lint the structure
             try:
-                verify_graph(gm, example_inputs)
+                verify_graph(gm, example_inputs, reuse=True, lint=True)
             except GraphVerificationError as e:
                 raise PassFailure(self.passes[stop - 1].name, str(e).splitlines()[0], self._reproducer(ctx, stop)) from e
         gm.recompile()

@@ -20,8 +20,18 @@ class MetaShapeProp(fx.Interpreter):
     the nodes that changed since the last run (see the module docstring).
     """
 
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.modules_by_name = dict(gm.named_modules(remove_duplicate=False))
+
+    def raw_attr(self, target: str):
+        """The object a get_attr reads, its owner found in one table (not attribute by attribute)."""
+        owner, _, leaf = target.rpartition(".")
+        module = self.modules_by_name.get(owner)
+        return getattr(module, leaf) if module is not None else fx.Interpreter.fetch_attr(self, target)
+
     def fetch_attr(self, target: str):
-        value = super().fetch_attr(target)
+        value = self.raw_attr(target)
         return value.to("meta") if isinstance(value, torch.Tensor) else value
 
     def run_node(self, n: fx.Node):
@@ -51,11 +61,11 @@ class MetaShapeProp(fx.Interpreter):
             n.meta["val"] = result
 
 
-def _key(interp: fx.Interpreter, n: fx.Node) -> tuple:
+def _key(interp: MetaShapeProp, n: fx.Node) -> tuple:
     """What a node's value is computed from: the object a get_attr reads (held, so its id is never reused),
     or a call's target and arguments (nodes compare by identity)."""
     if n.op == "get_attr":
-        return ("get_attr", fx.Interpreter.fetch_attr(interp, n.target))
+        return ("get_attr", interp.raw_attr(n.target))
     return (n.op, n.target, n.args, n.kwargs)
 
 
@@ -101,8 +111,18 @@ def is_impure(node: fx.Node) -> bool:
 _IMPURE: dict = {}
 
 
-def eliminate_dead_code(gm: fx.GraphModule) -> None:
-    gm.graph.eliminate_dead_code(is_impure_node=is_impure)
+def eliminate_dead_code(gm: fx.GraphModule) -> bool:
+    """Remove unused pure nodes, last first (what a removal frees goes too); whether any went.
+
+    fx's own `eliminate_dead_code` lints the whole graph afterwards, which after every pass of a Kimi K3
+    build cost more than the removal; the checks lint once per graph instead (`verify_graph`).
+    """
+    dead = False
+    for n in reversed(gm.graph.nodes):
+        if not n.users and not is_impure(n):
+            gm.graph.erase_node(n)
+            dead = True
+    return dead
 
 
 def _dangling(gm: fx.GraphModule) -> list[str]:
@@ -113,23 +133,29 @@ def _dangling(gm: fx.GraphModule) -> list[str]:
     ]
 
 
-def _has_attr(root: torch.nn.Module, target: str) -> bool:
-    obj = root
-    for part in target.split("."):
-        if not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
-    return True
+def _missing_attrs(gm: fx.GraphModule) -> list[fx.Node]:
+    """get_attr nodes whose target does not exist (owners looked up in one table, not attribute by attribute)."""
+    modules = dict(gm.named_modules(remove_duplicate=False))
+    missing = []
+    for n in gm.graph.find_nodes(op="get_attr"):
+        owner_name, _, leaf = n.target.rpartition(".")
+        owner = modules.get(owner_name)
+        if owner is None or not hasattr(owner, leaf):
+            missing.append(n)
+    return missing
 
 
-def verify_graph(gm: fx.GraphModule, example_inputs: tuple, reuse: bool = False) -> None:
+def verify_graph(gm: fx.GraphModule, example_inputs: tuple, reuse: bool = False, lint: bool | None = None) -> None:
     """Lint the graph, reject dangling nodes, and propagate meta tensors to check every shape and dtype.
 
     `example_inputs` may be real or meta tensors; only their metadata is used. Each node's
     `meta['val']` holds its meta output afterwards (dumps print the shapes from it). `reuse` keeps the
-    values of nodes that did not change since the last propagation (see the module docstring).
+    values of nodes that did not change since the last propagation (see the module docstring); `lint`
+    (default: a full check, not `reuse`) runs fx's structural lint.
     """
-    if not reuse:  # a full check; between passes fx's own graph invariants hold (passes edit through its API)
+    if lint is None:
+        lint = not reuse  # between passes fx's invariants hold (passes edit through its API)
+    if lint:
         try:
             gm.graph.lint()
         except Exception as e:  # fx raises bare RuntimeError/AssertionError on malformed graphs
@@ -137,12 +163,12 @@ def verify_graph(gm: fx.GraphModule, example_inputs: tuple, reuse: bool = False)
     dangling = _dangling(gm)
     if dangling:
         raise GraphVerificationError(f"dangling nodes (computed, never used): {', '.join(dangling[:5])}")
-    for n in gm.graph.nodes:
-        if n.op == "get_attr" and not _has_attr(gm, n.target):
-            raise GraphVerificationError(f"node {n.name} reads missing attribute {n.target}")
+    missing = _missing_attrs(gm)
+    if missing:
+        raise GraphVerificationError(f"node {missing[0].name} reads missing attribute {missing[0].target}")
     meta_inputs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), list(example_inputs))
     try:
-        with torch.no_grad():
+        with torch.inference_mode():  # no autograd layer: custom ops go straight to their fake impls
             prop = MetaShapeProp(gm)
             prop.run_incremental(*meta_inputs) if reuse else prop.run(*meta_inputs)
     except Exception as e:
