@@ -214,15 +214,28 @@ _DELETIONS = re.compile(r";  (\w+ = )+None$")
 _SIGNATURE = re.compile(r'(\w+): "([^"]*)"')
 
 
-def _dims(text: str) -> str:
+def symbols(gm: fx.GraphModule, spec) -> dict[str, str]:
+    """SYMBOLS, plus the decode step's routed rows (B*k for top-k routing) where no weight has that size."""
+    out = dict(SYMBOLS)
+    if spec.moe is None:
+        return out
+    weights = {d for n in gm.graph.find_nodes(op="get_attr") if isinstance(v := n.meta.get("val"), torch.Tensor)
+               for d in v.shape}  # fmt: skip
+    rows = EXAMPLE_BATCH * spec.moe.top_k
+    if rows not in weights:
+        out.setdefault(str(rows), f"B*{spec.moe.top_k}")
+    return out
+
+
+def _dims(text: str, names_of: dict[str, str]) -> str:
     """'f32[5, 11, 256]' -> '[B, T, 256]' (float32 implied), with the example sizes named."""
     dtype, _, dims = text.partition("[")
-    names = [SYMBOLS.get(d.strip(), d.strip()) for d in dims.rstrip("]").split(",") if d.strip()]
+    names = [names_of.get(d.strip(), d.strip()) for d in dims.rstrip("]").split(",") if d.strip()]
     shown = "[" + ", ".join(names) + "]"
     return shown if dtype == "f32" else f"{dtype}{shown}"
 
 
-def readable(src: str, keep_deletions: bool) -> str:
+def readable(src: str, keep_deletions: bool, names_of: dict[str, str] = SYMBOLS) -> str:
     """fx's verbose source with the type annotations turned into end-of-line shape comments."""
     out = []
     for line in src.strip("\n").splitlines():
@@ -236,7 +249,7 @@ def readable(src: str, keep_deletions: bool) -> str:
             indent, name, typ, expr = m.groups()
             if not keep_deletions:
                 expr = _DELETIONS.sub("", expr)
-            line = f"{indent}{name} = {expr}" + (f"  # {_dims(typ)}" if "[" in typ else "")
+            line = f"{indent}{name} = {expr}" + (f"  # {_dims(typ, names_of)}" if "[" in typ else "")
         elif not keep_deletions:
             line = _DELETIONS.sub("", line)
         out.append(line)
@@ -357,6 +370,7 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
     signature: dict[str, str] = {}
     variants: Counter = Counter()
     globals_: dict = {}
+    names_of = symbols(gm, spec)
     bodies: dict[str, str] = {}  # region fingerprint -> body: the code of each distinct region generated once
     for step in steps:
         if isinstance(step, fx.Node):
@@ -364,7 +378,7 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
         key = fingerprint(step)
         if key not in bodies:
             code = region_graph(step)[0].python_code(root_module="layer", verbose=True)
-            bodies[key] = unpack_shapes(inline_simple(readable(code.src, keep_deletions=False)))
+            bodies[key] = unpack_shapes(inline_simple(readable(code.src, keep_deletions=False, names_of=names_of)))
             globals_.update(code.globals)
         body = bodies[key]
         if body not in kinds:
@@ -381,7 +395,8 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
     functions = [_function(name, body, signature[name], users[name], graph) for body, name in kinds.items()]
     top = top_level(gm, steps, names).python_code(root_module="self", verbose=True)
     globals_.update({k: v for k, v in top.globals.items() if not isinstance(v, _Outlined)})
-    text = inline_simple(unpack_tuples(readable(top.src, keep_deletions=True).replace(f"{OUTLINED_MODULE}_", "")))
+    text = readable(top.src, keep_deletions=True, names_of=names_of).replace(f"{OUTLINED_MODULE}_", "")
+    text = inline_simple(unpack_tuples(text))
     return functions, text, globals_
 
 
