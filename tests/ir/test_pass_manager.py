@@ -349,3 +349,13 @@ def test_cli_dump_after_and_disable_pass(cli, tmp_path):
     manifest = json.loads((pkg / "manifest.json").read_text())
     status = {r["name"]: r["status"] for r in manifest["passes"]["train"]}
     assert status["fuse"] == "disabled" and status["interleave"] == "ran"
+
+
+def test_the_lazily_generated_code_runs_the_final_graph(spec):
+    """Code is generated on first use: after every pass it must be the final graph's, as fx's interpreter runs it."""
+    (compiled,) = compile_graphs(spec, ("train",), BuildOptions()).values()
+    gm = compiled.gm
+    assert gm.code == fx.GraphModule(gm, gm.graph).code
+    tokens = torch.randint(0, spec.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(gm(tokens), fx.Interpreter(gm).run(tokens), rtol=0, atol=0)
