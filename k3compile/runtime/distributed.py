@@ -3,10 +3,9 @@
 Every one of the world = dp x ep ranks reads its own rows of the global batch (the EP group is carved out
 of the data-parallel ranks, as in torchtitan and DeepSeek's expert parallelism). Rank = d * ep + e: the
 "ep" mesh dimension groups the ranks that exchange expert buffers (k3compile.ops.expert_parallel), the
-"dp" dimension the ranks holding the same experts. Replicated parameters' gradients are averaged over
-all ranks; each rank's expert gradients already sum the contributions of its EP group's tokens (the
-all-to-all's backward) and are summed over the dp group. The routing statistics are summed over all
-ranks with one integer all-reduce per step, so Quantile Balancing reads the global histogram.
+"dp" dimension the ranks holding the same experts. Parameters are sharded with FSDP2 over this mesh
+(k3compile.runtime.fsdp). The routing statistics are summed over all ranks with one integer all-reduce per
+step, so Quantile Balancing reads the global histogram.
 """
 
 from __future__ import annotations
@@ -36,6 +35,8 @@ class Layout:
     dp: int = 1
     ep: int = 1
     mesh: object = None  # torch.distributed.device_mesh.DeviceMesh with dims ("dp", "ep")
+    world_mesh: object = None  # the same ranks as one dim ("world"): FSDP2's mesh for non-expert parameters
+    experts_mesh: object = None  # dims ("ep", "dp"): expert rows split over ep, then each rank's over dp
     device: torch.device = torch.device("cpu")
 
     @property
@@ -100,8 +101,12 @@ def start(spec: Spec) -> Layout:
         torch.cuda.set_device(device)
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    from torch.distributed.device_mesh import DeviceMesh
+
     mesh = init_device_mesh(device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
-    return Layout(world, dist.get_rank(), dp, ep, mesh, device)
+    world_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("world",))
+    experts_mesh = DeviceMesh(device.type, mesh.mesh.T.contiguous(), mesh_dim_names=("ep", "dp"))
+    return Layout(world, dist.get_rank(), dp, ep, mesh, world_mesh, experts_mesh, device)
 
 
 def backend() -> str:
@@ -145,42 +150,6 @@ def _all_reduce_flat(tensors: list[Tensor], group, scale: float = 1.0) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
-
-
-@torch.no_grad()
-def reduce_gradients(layout: Layout, named: list[tuple[str, Tensor]], expert_shards: set[str]) -> None:
-    """Gradients of the global mean loss: replicated parameters averaged over all ranks (one all-reduce),
-    expert shards summed over their dp group and divided by the world size."""
-    if not layout.distributed:
-        return
-    shared = [p.grad for n, p in named if p.grad is not None and n not in expert_shards]
-    experts = [p.grad for n, p in named if p.grad is not None and n in expert_shards]
-    _all_reduce_flat(shared, None, 1.0 / layout.world)
-    if layout.dp > 1:
-        _all_reduce_flat(experts, layout.group("dp"), 1.0 / layout.world)
-    else:
-        for g in experts:
-            g.mul_(1.0 / layout.world)
-
-
-@torch.no_grad()
-def clip_grad_norm(layout: Layout, named: list[tuple[str, Tensor]], expert_shards: set[str], max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_ over the whole model: the norm adds every EP rank's expert shards."""
-    params = [p for _, p in named if p.grad is not None]
-    if not layout.distributed:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    shared = [p.grad for n, p in named if p.grad is not None and n not in expert_shards]
-    experts = [p.grad for n, p in named if p.grad is not None and n in expert_shards]
-    sq = torch.zeros((), dtype=torch.float32, device=layout.device)
-    for g in experts:
-        sq += g.float().square().sum()
-    if layout.ep > 1:
-        dist.all_reduce(sq, group=layout.group("ep"))
-    for g in shared:
-        sq += g.float().square().sum()
-    total = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total)
 
 
 @torch.no_grad()

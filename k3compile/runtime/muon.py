@@ -156,6 +156,13 @@ def _block_stacks(t: Tensor, sizes: list[int]) -> list[Tensor]:
     return [mats[:, start : start + size] for start, size in zip(starts, sizes)]
 
 
+def _is_sharded(t: Tensor) -> bool:
+    """Whether `t` is a DTensor (an FSDP2 shard) rather than a whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
 def _scalar_dtype() -> torch.dtype:
     """dtype of AdamW's `step` counter, as torch.optim.AdamW picks it."""
     return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
@@ -357,6 +364,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         per block shape (and iteration settings) over every block of every group, in bf16 matrix by matrix; then
         each block's learning-rate-scaled update."""
         batches: dict[tuple, list[tuple[Tensor, Tensor, float]]] = {}
+        gathered: list[tuple[Tensor, Tensor]] = []  # (sharded parameter, its full-size update)
         for group in groups:
             lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
             settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"], group["ns_dtype"])
@@ -372,8 +380,13 @@ class PerHeadMuon(torch.optim.Optimizer):
                 buf.lerp_(grad, 1 - mu)
                 update = grad.lerp(buf, mu) if group["nesterov"] else buf
                 p.mul_(1 - lr * wd)
+                target = p
+                if _is_sharded(p):  # Newton-Schulz needs whole head blocks: gather the update, keep this rank's rows
+                    update = update.full_tensor()
+                    target = torch.zeros_like(update)
+                    gathered.append((p, target))
                 sizes = _block_sizes(p.shape[-2], group["head_split"])
-                for p_blk, u_blk in zip(_block_stacks(p, sizes), _block_stacks(update, sizes)):
+                for p_blk, u_blk in zip(_block_stacks(target, sizes), _block_stacks(update, sizes)):
                     rows, cols = u_blk.shape[1:]
                     alpha = -_adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
                     batches.setdefault((rows, cols, p.device, *settings), []).append((p_blk, u_blk, alpha))
@@ -389,6 +402,10 @@ class PerHeadMuon(torch.optim.Optimizer):
             ortho = newton_schulz(stacked, coefficients, steps, eps, dtype)
             for (p_blk, _, alpha), o in zip(items, ortho.split([u.shape[0] for _, u, _ in items])):
                 p_blk.add_(o, alpha=alpha)
+        for p, delta in gathered:
+            from torch.distributed.tensor import distribute_tensor
+
+            p.add_(distribute_tensor(delta, p.device_mesh, p.placements, src_data_rank=None))  # local rows, no comms
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

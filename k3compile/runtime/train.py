@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from k3compile.kernels.launch import interpreting
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime import distributed as dist_rt
+from k3compile.runtime import fsdp
 from k3compile.runtime import sharded_checkpoint as dcp_ckpt
 from k3compile.runtime.balance import find_routers, restore_stats, snapshot_stats, update_balance
 from k3compile.runtime.data import VOCAB, Batches, Corpus, eval_batches, load_corpus, split, unigram_entropy
@@ -298,11 +299,10 @@ def train_step(run: Run, step: int, total: int) -> dict:
     value = dist_rt.mean(run.layout, float(loss.detach()))
     if not math.isfinite(value):
         raise TrainError(f"the loss is {value} at step {step + 1}; lower training.lr or check the data")
-    loss.backward()
-    dist_rt.reduce_gradients(run.layout, run.named, run.expert_shards)
+    loss.backward()  # across processes FSDP2 reduce-scatters the gradients here (k3compile.runtime.fsdp)
     grad_norm = None
     if t.grad_clip is not None:
-        grad_norm = dist_rt.clip_grad_norm(run.layout, run.named, run.expert_shards, t.grad_clip)
+        grad_norm = fsdp.clip_grad_norm(run.layout, [p for _, p in run.named], t.grad_clip)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     record = {"step": step + 1, "loss": value, "lr": lr}
@@ -331,6 +331,7 @@ def evaluate(run: Run) -> float:
             total += float(run.model(batch, batch)) * weight
             count += weight
     finally:
+        fsdp.reshard(run.model)
         run.model.train()
         restore_stats(run.routers, saved)
     return dist_rt.mean(run.layout, total / count)
@@ -746,6 +747,7 @@ def _setup(
         except GenerateError as e:
             raise TrainError(f"--init-from: {e}") from None
     model.train()
+    fsdp.shard(layout or dist_rt.Layout(), model)  # across processes: parameters become FSDP2 shards (DTensors)
     named = list(model.named_parameters())
     ns_dtype, muon_note = muon_precision(t.muon_precision, named[0][1].device)
     return Run(

@@ -24,9 +24,19 @@ def expert_bytes(model, spec) -> tuple[int, int]:
     numel = nbytes = 0
     for name, p in model.named_parameters():
         if name in formats:
-            numel += p.numel()
+            numel += p.numel()  # an FSDP2 DTensor's numel: this EP rank's whole stack
             nbytes += storage_bytes(p.numel(), formats[name], spec.quantization.block_size)
     return numel, nbytes
+
+
+def local_numel(model) -> dict[str, int]:
+    """Elements this process holds of the parameters: FSDP2 shards (DTensors) and whole ones."""
+    from torch.distributed.tensor import DTensor
+
+    out = {"sharded": 0, "whole": 0}
+    for _, p in model.named_parameters():
+        out["sharded" if isinstance(p, DTensor) else "whole"] += (p.to_local() if isinstance(p, DTensor) else p).numel()
+    return out
 
 
 def compiled_targets(run) -> list[str]:
@@ -66,6 +76,7 @@ def main() -> None:
         run = setup(*a, **k)
         report["expert_numel"], report["expert_bytes"] = expert_bytes(run.model, run.spec)
         report["expert_shards"] = sorted(run.expert_shards)
+        report["local_numel"] = local_numel(run.model)
         if args.compile:
             report["compiled"] = compiled_targets(run)
         return run
