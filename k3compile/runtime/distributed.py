@@ -38,6 +38,7 @@ class Layout:
     world_mesh: object = None  # the same ranks as one dim ("world"): FSDP2's mesh for non-expert parameters
     experts_mesh: object = None  # dims ("ep", "dp"): expert rows split over ep, then each rank's over dp
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # `start` created the process group (and `stop` destroys it)
 
     @property
     def distributed(self) -> bool:
@@ -99,14 +100,15 @@ def start(spec: Spec) -> Layout:
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()  # a caller's group (several runs in one launch) is left to the caller
+    if owns:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
     from torch.distributed.device_mesh import DeviceMesh
 
     mesh = init_device_mesh(device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
     world_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("world",))
     experts_mesh = DeviceMesh(device.type, mesh.mesh.T.contiguous(), mesh_dim_names=("ep", "dp"))
-    return Layout(world, dist.get_rank(), dp, ep, mesh, world_mesh, experts_mesh, device)
+    return Layout(world, dist.get_rank(), dp, ep, mesh, world_mesh, experts_mesh, device, owns)
 
 
 def backend() -> str:
@@ -120,7 +122,7 @@ def use_experts(layout: Layout) -> None:
 
 def stop(layout: Layout) -> None:
     expert_parallel.set_group(None)
-    if layout.distributed and dist.is_initialized():
+    if layout.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 

@@ -1,8 +1,9 @@
-"""One process of tests/runtime/test_distributed.py's runs, started by torch.distributed.run.
+"""One process of tests/runtime/test_distributed.py's launches (torch.distributed.run, or plain python for one).
 
-Trains the small spec for the given steps and writes rank<R>.json: the per-step losses, the local expert
-parameters' element count and policy bytes, and (with --compile) what torch.compile(fullgraph=True)
-traced of one train step: the node targets of its graph.
+Runs the plan's jobs in order in one process group: `train` jobs train a prebuilt package and write
+<out>/rank<R>.json (the per-step losses, the local expert parameters' element count and policy bytes, the
+elements this process holds, where it resumed, and with "compile" what torch.compile(fullgraph=True) traced of
+one train step: its graph's node targets); `generate` jobs decode greedily and write <out>/generate.rank<R>.json.
 """
 
 from __future__ import annotations
@@ -56,44 +57,48 @@ def compiled_targets(run) -> list[str]:
     return seen
 
 
-def main() -> None:
-    torch.set_num_threads(1)
-    a = argparse.ArgumentParser()
-    a.add_argument("--out", required=True)
-    a.add_argument("--steps", type=int, required=True)
-    a.add_argument("--stop-after", type=int)
-    a.add_argument("--resume", action="store_true")
-    a.add_argument("--compile", action="store_true")
-    a.add_argument("--data", required=True)
-    a.add_argument("--set", dest="overrides", action="append", default=[])
-    args = a.parse_args()
+def train(job: dict, rank: int) -> None:
     from k3compile.runtime import train as train_mod
 
     report: dict = {}
-    setup = train_mod._setup
+    setup, resume_from = train_mod._setup, train_mod.resume_from
 
     def probe(*a, **k):  # the run as built, before training changes it
         run = setup(*a, **k)
         report["expert_numel"], report["expert_bytes"] = expert_bytes(run.model, run.spec)
         report["expert_shards"] = sorted(run.expert_shards)
         report["local_numel"] = local_numel(run.model)
-        if args.compile:
+        if job.get("compile"):
             report["compiled"] = compiled_targets(run)
         return run
-
-    train_mod._setup = probe
-    resume_from = train_mod.resume_from
 
     def resumed(*a, **k):
         report["resumed_at"] = resume_from(*a, **k)
         return report["resumed_at"]
 
-    train_mod.resume_from = resumed
-    records = train_mod.train("specs/k3-tiny.yaml", args.steps, data=args.data, out=args.out, resume=args.resume,
-                              overrides=args.overrides, progress=False, eval_every=1000, stop_after=args.stop_after)
+    train_mod._setup, train_mod.resume_from = probe, resumed
+    try:
+        records = train_mod.train(job["build"], job["steps"], data=job["data"], out=job["out"],
+                                  resume=job.get("resume", False), progress=False, eval_every=1000,
+                                  stop_after=job.get("stop_after"))  # fmt: skip
+    finally:
+        train_mod._setup, train_mod.resume_from = setup, resume_from
     report["losses"] = [r["loss"] for r in records]
+    (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
+
+
+def main() -> None:
+    torch.set_num_threads(1)
+    a = argparse.ArgumentParser()
+    a.add_argument("plan", help="a JSON list of jobs")
+    plan = json.loads(Path(a.parse_args().plan).read_text())
     rank = int(os.environ.get("RANK", "0"))
-    (Path(args.out) / f"rank{rank}.json").write_text(json.dumps(report))
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # one group for every job (each builds its own meshes)
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo")
+    for job in plan:
+        {"train": train}[job["kind"]](job, rank)
 
 
 if __name__ == "__main__":
