@@ -85,8 +85,9 @@ def check_batch(spec: Spec, world: int) -> None:
         )
 
 
-def start(spec: Spec) -> Layout:
-    """Join the process group torch.distributed.run set up and build the ("dp", "ep") mesh; world 1: no-op."""
+def start(spec: Spec, training: bool = True) -> Layout:
+    """Join the process group torch.distributed.run set up and build the ("dp", "ep") mesh; world 1: no-op.
+    `training=False` (serving: every rank decodes the same requests) skips the training batch's checks."""
     if not launched():
         if spec.parallel.tp > 1 or spec.parallel.pp > 1:
             degrees(spec, 1)
@@ -95,7 +96,8 @@ def start(spec: Spec) -> Layout:
 
     world = int(os.environ["WORLD_SIZE"])
     dp, ep = degrees(spec, world)
-    check_batch(spec, world)
+    if training:
+        check_batch(spec, world)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:

@@ -87,6 +87,34 @@ def train(job: dict, rank: int) -> None:
     (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
 
 
+def generate(job: dict, rank: int) -> None:
+    """`k3compile generate` greedy (its text), and the same tokens' ids and this rank's expert buffer rows."""
+    import contextlib
+    import io
+
+    from k3compile.cli import main as cli
+    from k3compile.runtime import distributed
+    from k3compile.runtime.generate import build_spec, generate_tokens, load_build, load_inference_model
+
+    args = ["generate", job["build"], "--prompt", job["prompt"], "--max-new-tokens", str(job["tokens"]),
+            "--temperature", "0", *(["--checkpoint", job["checkpoint"]] if job.get("checkpoint") else [])]  # fmt: skip
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
+        assert cli(args) == 0
+    module = load_build(job["build"])
+    layout = distributed.start(build_spec(module), training=False)
+    distributed.use_experts(layout)
+    try:
+        model = load_inference_model(module, job.get("checkpoint"))
+        ids = list(generate_tokens(model, list(job["prompt"].encode()), job["tokens"], 0.0, 1.0, 0))
+    finally:
+        distributed.stop(layout)
+    rows = {k: v.shape[0] for k, v in model.state_dict().items() if ".experts." in k and "shared" not in k}
+    report = {"text": text.getvalue(), "tokens": ids, "expert_rows": rows}
+    Path(job["out"]).mkdir(parents=True, exist_ok=True)
+    (Path(job["out"]) / f"generate.rank{rank}.json").write_text(json.dumps(report))
+
+
 def main() -> None:
     torch.set_num_threads(1)
     a = argparse.ArgumentParser()
@@ -98,7 +126,7 @@ def main() -> None:
 
         dist.init_process_group("gloo")
     for job in plan:
-        {"train": train}[job["kind"]](job, rank)
+        {"train": train, "generate": generate}[job["kind"]](job, rank)
 
 
 if __name__ == "__main__":

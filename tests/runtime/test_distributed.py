@@ -67,13 +67,22 @@ def run_all(root: Path) -> dict:
     def job(name: str, ep: int, **kw) -> dict:
         return {"kind": "train", "build": builds[str(ep)], "out": str(root / name), "steps": STEPS, "data": data, **kw}
 
-    launch(root, "ep2", 2, [job("ep2", 2, compile=True), job("saved", 2, stop_after=3)])
+    def serve(name: str, checkpoint: Path | None = None) -> dict:  # greedy decoding of the ep=2 build
+        return {"kind": "generate", "build": builds["2"], "out": str(root / name), "prompt": "def ", "tokens": 8,
+                "checkpoint": str(checkpoint) if checkpoint else None}  # fmt: skip
+
+    trained = root / "resume1" / "checkpoints" / f"step-{STEPS:06d}.json"  # the one-process run's last checkpoint
+    launch(root, "ep2", 2, [job("ep2", 2, compile=True), job("saved", 2, stop_after=3), serve("serve-ep2")])
     for name in ("resume1", "resume4"):
         shutil.copytree(root / "saved", root / name)
-    launch(root, "dp2ep2", 4, [job("dp2ep2", 2), job("resume4", 4, resume=True)])
-    launch(root, "single", 1, [job("single", 1), job("resume1", 1, resume=True)])
+    launch(root, "single", 1, [job("single", 1), job("resume1", 1, resume=True), serve("serve-1"),
+                               serve("serve-1-trained", trained)])  # fmt: skip
+    launch(root, "dp2ep2", 4, [job("dp2ep2", 2), job("resume4", 4, resume=True), serve("serve-dp2ep2-trained", trained)])
     ranks = {"ep2": 2, "saved": 2, "dp2ep2": 4, "resume4": 4, "single": 1, "resume1": 1}
     out = {n: [json.loads((root / n / f"rank{r}.json").read_text()) for r in range(k)] for n, k in ranks.items()}
+    served = {"serve-ep2": 2, "serve-1": 1, "serve-1-trained": 1, "serve-dp2ep2-trained": 4}
+    out.update({n: [json.loads((root / n / f"generate.rank{r}.json").read_text()) for r in range(k)]
+                for n, k in served.items()})  # fmt: skip
     return {"runs": out, "builds": builds, "saved": str(root / "saved")}
 
 
@@ -193,6 +202,19 @@ def test_consolidate_to_the_single_file_checkpoint_generate_reads(runs, tmp_path
     init = initial_value(name, shapes[name], model.spec)
     for half in (slice(0, 4), slice(4, 8)):  # both ranks' experts were trained and written
         assert not torch.equal(state[name][half], init[half])
+
+
+@pytest.mark.parametrize("procs, reference", [("serve-ep2", "serve-1"), ("serve-dp2ep2-trained", "serve-1-trained")])
+def test_generate_across_processes_decodes_the_tokens_of_one_process(runs, procs, reference):
+    """`k3compile generate` at ep=2 (2 processes, seeded weights; 4 processes dp=2 x ep=2, trained weights): each
+    rank holds half the routed experts and greedy decoding gives one process's tokens; only rank 0 writes text."""
+    one = runs["runs"][reference][0]
+    assert len(one["tokens"]) == 8 and one["text"] and set(one["expert_rows"].values()) == {8}
+    ranks = runs["runs"][procs]
+    for rank in ranks:
+        assert rank["tokens"] == one["tokens"]
+        assert rank["expert_rows"].keys() == one["expert_rows"].keys() and set(rank["expert_rows"].values()) == {4}
+    assert ranks[0]["text"] == one["text"] and not any(r["text"] for r in ranks[1:])
 
 
 def test_nproc_checks_the_layout_before_starting_processes(tmp_path, capsys):
