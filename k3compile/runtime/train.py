@@ -424,6 +424,11 @@ def resume_from(run: Run, say) -> int:
     if path is None:
         say(f"no checkpoint in {run.checkpoints}; starting from step 0")
         return 0
+    if run.layout.distributed:
+        raise TrainError(
+            f"{path} is a one-process checkpoint; a run across processes resumes only distributed ones "
+            "(start a new run with --init-from it for its weights, or resume it in one process)"
+        )
     state = ckpt.load(path)
     ckpt.check_model(run.model, state)
     meta = _training_meta(state)
@@ -741,11 +746,12 @@ def _setup(
     if init_from is not None:
         from k3compile.runtime.generate import GenerateError, read_training_state
 
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        shapes = {k: model.full_shape(k, tuple(v.shape)) for k, v in model.state_dict().items()}  # whole experts
         try:
-            model.load_state_dict(read_training_state(init_from, shapes, spec), strict=True)
+            state = read_training_state(init_from, shapes, spec)
         except GenerateError as e:
             raise TrainError(f"--init-from: {e}") from None
+        model.load_state_dict({k: model.local_rows(k, v) for k, v in state.items()}, strict=True)  # this rank's rows
     model.train()
     fsdp.shard(layout or dist_rt.Layout(), model)  # across processes: parameters become FSDP2 shards (DTensors)
     named = list(model.named_parameters())

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -80,37 +81,45 @@ def train(job: dict, rank: int) -> None:
     try:
         records = train_mod.train(job["build"], job["steps"], data=job["data"], out=job["out"],
                                   resume=job.get("resume", False), progress=False, eval_every=1000,
-                                  stop_after=job.get("stop_after"))  # fmt: skip
+                                  stop_after=job.get("stop_after"), init_from=job.get("init_from"))  # fmt: skip
     finally:
         train_mod._setup, train_mod.resume_from = setup, resume_from
     report["losses"] = [r["loss"] for r in records]
+    report["grad_norms"] = [r["grad_norm"] for r in records]
     (Path(job["out"]) / f"rank{rank}.json").write_text(json.dumps(report))
 
 
 def generate(job: dict, rank: int) -> None:
-    """`k3compile generate` greedy (its text), and the same tokens' ids and this rank's expert buffer rows."""
+    """`k3compile generate` greedy: its text, the token ids it chose and the expert rows of its InferenceModel."""
     import contextlib
     import io
 
     from k3compile.cli import main as cli
-    from k3compile.runtime import distributed
-    from k3compile.runtime.generate import build_spec, generate_tokens, load_build, load_inference_model
+    from k3compile.runtime import generate as gen
+
+    report: dict = {"tokens": []}
+    load, tokens = gen.load_inference_model, gen.generate_tokens
+
+    def loaded(*a, **k):
+        model = load(*a, **k)
+        report["expert_rows"] = {n: v.shape[0] for n, v in model.state_dict().items() if ".experts." in n and "shared" not in n}
+        return model
+
+    def chosen(*a, **k):
+        for t in tokens(*a, **k):
+            report["tokens"].append(t)
+            yield t
 
     args = ["generate", job["build"], "--prompt", job["prompt"], "--max-new-tokens", str(job["tokens"]),
             "--temperature", "0", *(["--checkpoint", job["checkpoint"]] if job.get("checkpoint") else [])]  # fmt: skip
     text = io.StringIO()
-    with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
-        assert cli(args) == 0
-    module = load_build(job["build"])
-    layout = distributed.start(build_spec(module), training=False)
-    distributed.use_experts(layout)
+    gen.load_inference_model, gen.generate_tokens = loaded, chosen
     try:
-        model = load_inference_model(module, job.get("checkpoint"))
-        ids = list(generate_tokens(model, list(job["prompt"].encode()), job["tokens"], 0.0, 1.0, 0))
+        with contextlib.redirect_stdout(text), contextlib.redirect_stderr(io.StringIO()):
+            assert cli(args) == 0
     finally:
-        distributed.stop(layout)
-    rows = {k: v.shape[0] for k, v in model.state_dict().items() if ".experts." in k and "shared" not in k}
-    report = {"text": text.getvalue(), "tokens": ids, "expert_rows": rows}
+        gen.load_inference_model, gen.generate_tokens = load, tokens
+    report["text"] = text.getvalue()
     Path(job["out"]).mkdir(parents=True, exist_ok=True)
     (Path(job["out"]) / f"generate.rank{rank}.json").write_text(json.dumps(report))
 
@@ -125,8 +134,12 @@ def main() -> None:
         import torch.distributed as dist
 
         dist.init_process_group("gloo")
+    times = []
     for job in plan:
+        wall, cpu = time.perf_counter(), time.process_time()
         {"train": train, "generate": generate}[job["kind"]](job, rank)
+        times.append({"job": Path(job["out"]).name, "wall_s": time.perf_counter() - wall, "cpu_s": time.process_time() - cpu})
+    Path(plan[0]["out"]).parent.joinpath(f"{Path(a.parse_args().plan).stem}.times.rank{rank}.json").write_text(json.dumps(times))
 
 
 if __name__ == "__main__":
