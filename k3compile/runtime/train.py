@@ -782,9 +782,9 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
     if so_far.skipped:
         say(f"note: {metrics_path}: skipped {len(so_far.skipped)} lines that are not metrics records "
             f"(the first: line {so_far.skipped[0]})")
-    params = sum(p.numel() for _, p in run.named)
+    params = sum(fsdp.local(p).numel() for _, p in run.named)  # across processes: this rank's FSDP2 shards
     say(
-        f"{run.spec.name}: {params / 1e6:.2f}M parameters{' on this rank' if run.expert_shards else ''}, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
+        f"{run.spec.name}: {params / 1e6:.2f}M parameters{' on this rank' if run.layout.distributed else ''}, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
         f"warmup {t.schedule.warmup_steps}), batch {t.batch_size} x {t.seq_len}, steps {start + 1}..{steps}"
     )
     if t.optimizer != "adamw":

@@ -61,6 +61,7 @@ def compiled_targets(run) -> list[str]:
 def train(job: dict, rank: int) -> None:
     from k3compile.runtime import train as train_mod
 
+    train_mod.EVAL_BATCHES = 1  # the tests compare training losses: validate on one batch only
     report: dict = {}
     setup, resume_from = train_mod._setup, train_mod.resume_from
 
