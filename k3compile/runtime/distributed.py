@@ -142,14 +142,12 @@ def mean(layout: Layout, value: float) -> float:
     return float(t) / layout.world
 
 
-def _all_reduce_flat(tensors: list[Tensor], group, scale: float = 1.0) -> None:
-    """Sum `tensors` (one dtype) over `group` in place with one all-reduce of their concatenation, then scale."""
+def _all_reduce_flat(tensors: list[Tensor], group) -> None:
+    """Sum `tensors` (one dtype) over `group` in place with one all-reduce of their concatenation."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))

@@ -183,14 +183,14 @@ class DecodeCache:
 
 
 class InferenceModule(GeneratedModule):
-    EXPERT_PARALLEL = True  # the inference graphs exchange expert buffers too (shard_experts) when parallel.ep > 1
-
     """Serving through the compiled prefill and decode graphs, over the packed (MX) weights.
 
     prefill(tokens) fills fresh caches preallocated to `max_len` tokens; decode(tokens, cache) takes one
     token per sequence at each sequence's own position. Several prompts of different lengths are
     prefilled one by one into the rows of one batch (`prefill_batch`) and then decode together.
     """
+
+    EXPERT_PARALLEL = True  # the inference graphs exchange expert buffers too (shard_experts) when parallel.ep > 1
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits [B, T, V] of a full forward (the prefill graph from empty caches)."""

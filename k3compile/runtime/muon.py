@@ -8,7 +8,9 @@ bf16 matmul (`muon_precision` decides, once per run). In fp32 one step orthogona
 across all parameters (stacked experts, per-head blocks), as one batched matmul chain; bf16 goes matrix by matrix,
 because a batched bf16 matmul does not round exactly as the 2-D ones of torch.optim.Muon do (on oneDNN, about 1%
 of entries land one ulp away). AdamW groups call torch's own functional AdamW, so they match `torch.optim.AdamW`
-exactly. QK-clip (Kimi K2) rescales the heads whose max attention logit exceeds tau.
+exactly. QK-clip (Kimi K2) rescales the heads whose max attention logit exceeds tau. An FSDP2-sharded (DTensor)
+Muon parameter has its update gathered whole for Newton-Schulz, and each rank keeps its own rows of the result
+(Moonshot's Distributed Muon), so head blocks are never cut by a shard.
 """
 
 from __future__ import annotations
