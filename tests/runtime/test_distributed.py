@@ -248,3 +248,10 @@ def test_nproc_checks_the_layout_before_starting_processes(tmp_path, capsys):
     assert main(["train", spec, "--steps", "1", "--nproc", "2", "--out", str(out), "--set", "parallel.ep=2"]) == 2
     assert "moe.router.histogram_bins" in capsys.readouterr().err  # exact QB has no distributed form
     assert not out.exists()
+
+
+def test_generate_nproc_checks_the_layout_before_starting_processes(runs, capsys):
+    from k3compile.cli import main
+
+    assert main(["generate", runs["builds"]["2"], "--prompt", "x", "--nproc", "3"]) == 2
+    assert capsys.readouterr().err.strip() == "error: parallel.dp x parallel.ep = 1 x 2 does not match the 3 processes started"
