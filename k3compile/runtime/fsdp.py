@@ -27,11 +27,13 @@ def shard(layout: Layout, model: nn.Module) -> None:
     from torch.distributed.tensor import Shard
 
     experts = {id(p) for n, p in model.named_parameters() if n in getattr(model, "expert_shards", ())}
-    place = None
-    if experts:
-        dp = FSDPMeshInfo(layout.experts_mesh["dp"], shard_mesh_dim=0)
-        place = lambda p: ShardPlacementResult(Shard(0), dp) if id(p) in experts else None  # noqa: E731
-    fully_shard(model, mesh=layout.world_mesh, shard_placement_fn=place)
+    dp = FSDPMeshInfo(layout.experts_mesh["dp"], shard_mesh_dim=0)
+
+    def place(p: nn.Parameter) -> ShardPlacementResult | None:
+        """Expert stacks: rows over their dp group; the rest: FSDP2's default (rows over the world mesh)."""
+        return ShardPlacementResult(Shard(0), dp) if id(p) in experts else None
+
+    fully_shard(model, mesh=layout.world_mesh, shard_placement_fn=place if experts else None)
     model.set_gradient_divide_factor(float(layout.world))
     if layout.device.type == "cpu":  # gloo has no pre-scaled sum: sum, then divide
         model.set_force_sum_reduction_for_comms(True)
