@@ -157,6 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1] (default 0.95)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--nproc", type=_positive, default=1, metavar="N",
+                   help="serve from N local processes (torch.distributed.run) splitting the routed experts over the "
+                   "build's parallel.ep ranks; every rank decodes the same tokens, rank 0 writes them "
+                   "(the same as `torchrun --nproc-per-node N -m k3compile generate ...`)")
 
     p = sub.add_parser(
         "train",
@@ -325,23 +329,40 @@ def _cmd_generate(args) -> None:
         stream_text,
     )
 
+    import os
+
+    from k3compile.runtime import distributed
+
     if not SEED_RANGE[0] <= args.seed < SEED_RANGE[1]:
         raise UsageError(f"--seed must be an integer in [-2^63, 2^64), got {args.seed}")
+    layout = None
     try:
         module = load_build(args.build)
+        spec = build_spec(module)
+        if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
+            distributed.degrees(spec, args.nproc)  # the layout's error in one line, before any process starts
+            return _launch(args)
         prompt = encode(args.prompt)
-        check_request(build_spec(module), prompt, args.max_new_tokens, args.temperature, args.top_p)
+        check_request(spec, prompt, args.max_new_tokens, args.temperature, args.top_p)
         check_weights(module, args.checkpoint)
-        if args.checkpoint is None:
+        layout = distributed.start(spec, training=False)
+        distributed.use_experts(layout)  # this rank holds and runs only its experts
+        if args.checkpoint is None and layout.main:
             print(f"note: no --checkpoint: using the seeded initial weights of {args.build}", file=sys.stderr)
         model = load_inference_model(module, args.checkpoint)
         caches = []
         start = time.perf_counter()
         tokens = generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
                                  on_cache=caches.append)
-        stream_text(tokens, lambda text: (sys.stdout.write(text), sys.stdout.flush()))
-    except GenerateError as e:
+        write = (lambda text: (sys.stdout.write(text), sys.stdout.flush())) if layout.main else (lambda text: None)
+        stream_text(tokens, write)
+    except (GenerateError, distributed.LayoutError) as e:
         raise UsageError(str(e)) from None
+    finally:
+        if layout is not None:
+            distributed.stop(layout)
+    if not layout.main:
+        return
     print(flush=True)
     if caches:
         b = caches[0].nbytes()
@@ -363,10 +384,7 @@ def _without_nproc(argv: list[str]) -> list[str]:
 
 
 def _launch_train(args) -> None:
-    """Start `args.nproc` local processes of this train command with torch.distributed.run; exit with its code."""
-    import os
-    import subprocess
-
+    """Check the training layout, then start `args.nproc` local processes of this train command."""
     from k3compile.runtime import distributed
     from k3compile.runtime.train import TrainError, resolve
 
@@ -376,6 +394,14 @@ def _launch_train(args) -> None:
         distributed.check_batch(spec, args.nproc)
     except (TrainError, distributed.LayoutError) as e:
         raise UsageError(str(e)) from None
+    _launch(args)
+
+
+def _launch(args) -> None:
+    """Start `args.nproc` local processes of this command with torch.distributed.run; exit with its code."""
+    import os
+    import subprocess
+
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
            "-m", "k3compile", *_without_nproc(args.argv)]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}

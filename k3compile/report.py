@@ -201,18 +201,19 @@ def print_plan(pl: dict) -> None:
     t = Table(title="training, per rank: fp32 weights, gradients and optimiser state (FSDP2 layout), activations",
               title_justify="left")  # fmt: skip
     for col in ("dp x ep", "experts", "params", "weights", "grads", "optimizer", "activations", "total", "fits",
-                "replicated", "fits", "all-to-all / step"):
+                "gathered", "fits", "all-to-all / step"):
         t.add_column(col, justify="left" if col == "dp x ep" else "right")
     for r in pl["layouts"]:
         t.add_row(
             f"{r['dp']} x {r['ep']}", str(r["experts_per_rank"]), human(r["params_per_rank"]),
             human(r["param_bytes"], "B"), human(r["grad_bytes"], "B"), human(r["optimizer_bytes"], "B"),
             human(r["activation_bytes"], "B"), human(r["train_bytes"], "B"), yes[r["train_fits"]],
-            human(r["train_bytes_replicated"], "B"), yes[r["train_fits_replicated"]],
+            human(r["train_bytes_gathered"], "B"), yes[r["train_fits_gathered"]],
             human(r["all_to_all_bytes_per_step"], "B"),
         )  # fmt: skip
     con.print(t)
-    con.print("replicated: non-expert parameters on every rank, as `k3compile train` runs today")
+    con.print("gathered: plus the whole model's weights and gradients during the step, as `k3compile train`'s "
+              "root-level FSDP2 holds them")
     t = Table(title="serving, per rank: weights under the quantisation policy, decode caches of its sequences",
               title_justify="left")  # fmt: skip
     for col in ("dp x ep", "routed experts", "weights", "cache", "total", "fits"):

@@ -1,13 +1,12 @@
 """shard_experts: split each MoE's expert computation across `parallel.ep` expert-parallel ranks.
 
-Rank r owns experts [r E/ep, (r+1) E/ep). In the train graph the dispatched fixed-capacity buffer
-[E, C, w] goes through `to_expert_owners` (an autograd all-to-all to the owning ranks, equal static
-splits), the rank's own E/ep experts run on what every rank sent them, and `from_expert_owners` brings
-the outputs back to [E, C, w] for the combine; the emitted Model then holds only its E/ep experts
-(k3compile.runtime.generated). In one process (no expert-parallel group) both exchanges are the
-identity. The inference graphs (served by one process) view the buffer and the stacked weights
-rank-major [ep, E/ep, ...] instead, making each rank's experts explicit. Shapes stay static and the
-numbers are unchanged. A no-op at ep = 1.
+Rank r owns experts [r E/ep, (r+1) E/ep). In every graph (train, prefill, decode) the dispatched
+fixed-capacity buffer [E, C, w] goes through `to_expert_owners` (an autograd all-to-all to the owning ranks,
+equal static splits), the rank's own E/ep experts run on what every rank sent them, and `from_expert_owners`
+brings the outputs back to [E, C, w] for the combine; the emitted Model and InferenceModel then hold only
+their E/ep experts (k3compile.runtime.generated). In one process (no expert-parallel group) both exchanges
+are the identity and the package holds every expert. Shapes stay static and the numbers are unchanged.
+A no-op at ep = 1.
 """
 
 from __future__ import annotations
@@ -46,38 +45,8 @@ def expert_region(buffer: fx.Node, expert_out: fx.Node) -> list[fx.Node]:
     return sorted(region)  # fx nodes order as in the graph
 
 
-def _leading(node: fx.Node) -> int | None:
-    val = node.meta.get("val")
-    return val.shape[0] if isinstance(val, torch.Tensor) and val.dim() >= 1 else None
-
-
-def _shard(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, ep: int) -> int:
-    """The inference graphs' form: the rank-major view of the buffer and the stacked weights."""
-    num_experts = dispatch.args[2]
-    per_rank = num_experts // ep
-    buffer = next(u for u in dispatch.users if _is(u, operator.getitem) and u.args[1] == 0)
-    expert_out = combine.args[0]
-    region = expert_region(buffer, expert_out)
-    inside = set(region)
-    inputs = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside)  # graph order
-    by_rank = [a for a in inputs if a is buffer or _leading(a) == num_experts]
-    for a in by_rank:
-        users = [u for u in a.users if u in region]
-        with gm.graph.inserting_after(a):
-            ranked = gm.graph.call_function(torch.unflatten, (a, 0, (ep, per_rank)))
-        ranked.meta["expert_parallel"] = "rank-major view [ep, E/ep, ...]"
-        for u in users:
-            u.replace_input_with(a, ranked)
-    with gm.graph.inserting_before(combine):
-        folded = gm.graph.call_function(torch.flatten, (expert_out, 0, 1))
-    combine.replace_input_with(expert_out, folded)
-    for n in region:
-        n.meta["expert_parallel"] = "local experts"
-    return len(by_rank) + 1
-
-
 def _exchange(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node) -> int:
-    """The train graph's form: buffer -> to_expert_owners -> local experts -> from_expert_owners -> combine."""
+    """buffer -> to_expert_owners -> local experts -> from_expert_owners -> combine."""
     buffer = next(u for u in dispatch.users if _is(u, operator.getitem) and u.args[1] == 0)
     expert_out = combine.args[0]
     region = expert_region(buffer, expert_out)
@@ -105,8 +74,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
     for combine in [n for n in gm.graph.nodes if _is(n, K3.moe_combine.default)]:
         slots = combine.args[2]
         dispatch = slots.args[0]
-        rewrite = _exchange(gm, dispatch, combine) if ctx.graph == "train" else _shard(gm, dispatch, combine, ep)
-        stats["nodes_rewritten"] += rewrite
+        stats["nodes_rewritten"] += _exchange(gm, dispatch, combine)
         stats["moe_layers"] += 1
         per_rank = dispatch.args[2] // ep
         plan[dispatch.name] = {r: [r * per_rank, (r + 1) * per_rank] for r in range(ep)}

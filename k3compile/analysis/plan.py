@@ -1,9 +1,11 @@
 """`k3compile plan`: per-rank memory and traffic of every dp x ep layout of N GPUs, from the spec alone.
 
 Training holds what `k3compile train` holds: fp32 parameters, fp32 gradients and the optimiser's fp32 state
-(Per-Head Muon: one momentum per matrix; AdamW: two moments per tensor). The sharded layout is the one
-FSDP2 gives (non-expert parameters over all dp x ep ranks, routed experts over the dp ranks holding the
-same experts); `replicated` is today's runtime, which keeps every non-expert parameter on every rank.
+(Per-Head Muon: one momentum per matrix; AdamW: two moments per tensor), sharded as FSDP2 shards them
+(non-expert parameters over all dp x ep ranks, each EP rank's routed experts over its dp ranks). `gathered`
+adds what `k3compile train`'s root-level FSDP2 holds during a step: the whole model's weights and
+gradients, gathered from the forward until the reduce-scatter at the end of backward (per-layer wrapping
+would gather one layer at a time).
 Activations are an estimate of what one step saves for backward without recomputation (fp32, formula in
 docs/distributed.md). Serving holds the weights under the quantisation policy (routed experts split over
 ep, the rest on every rank) and the decode caches of its share of the sequences. A layout fits when its
@@ -92,11 +94,11 @@ def plan(spec: Spec, gpus: int, gpu: str, batch: int | None = None, seq: int | N
     for dp, ep in layouts(spec, gpus):
         world = dp * ep
         tokens = math.ceil(batch / world) * seq  # this rank's rows of the global batch
-        params = expert // ep + math.ceil(dense / world)
-        state = expert_state // ep + math.ceil(dense_state / world)
+        params = math.ceil(expert // ep / dp) + math.ceil(dense / world)
+        state = math.ceil(expert_state // ep / dp) + math.ceil(dense_state / world)
         activations = tokens * per_token * FP32
         train = (2 * params + state) * FP32 + activations
-        replicated = (2 * (expert // ep + dense) + expert_state // ep + dense_state) * FP32 + activations
+        gathered = train + 2 * (expert // ep + dense) * FP32  # + the step's whole weights and gradients
         a2a = 0
         if spec.moe is not None and ep > 1:
             m = spec.moe
@@ -116,8 +118,8 @@ def plan(spec: Spec, gpus: int, gpu: str, batch: int | None = None, seq: int | N
             "activation_bytes": activations,
             "train_bytes": train,
             "train_fits": train <= FIT_FRACTION * memory,
-            "train_bytes_replicated": replicated,
-            "train_fits_replicated": replicated <= FIT_FRACTION * memory,
+            "train_bytes_gathered": gathered,
+            "train_fits_gathered": gathered <= FIT_FRACTION * memory,
             "all_to_all_bytes_per_step": a2a,
             "routed_expert_bytes_per_rank": expert_policy // ep,
             "serve_weight_bytes": expert_policy // ep + dense_policy,

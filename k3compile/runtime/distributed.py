@@ -3,10 +3,9 @@
 Every one of the world = dp x ep ranks reads its own rows of the global batch (the EP group is carved out
 of the data-parallel ranks, as in torchtitan and DeepSeek's expert parallelism). Rank = d * ep + e: the
 "ep" mesh dimension groups the ranks that exchange expert buffers (k3compile.ops.expert_parallel), the
-"dp" dimension the ranks holding the same experts. Replicated parameters' gradients are averaged over
-all ranks; each rank's expert gradients already sum the contributions of its EP group's tokens (the
-all-to-all's backward) and are summed over the dp group. The routing statistics are summed over all
-ranks with one integer all-reduce per step, so Quantile Balancing reads the global histogram.
+"dp" dimension the ranks holding the same experts. Parameters are sharded with FSDP2 over this mesh
+(k3compile.runtime.fsdp). The routing statistics are summed over all ranks with one integer all-reduce per
+step, so Quantile Balancing reads the global histogram.
 """
 
 from __future__ import annotations
@@ -36,7 +35,10 @@ class Layout:
     dp: int = 1
     ep: int = 1
     mesh: object = None  # torch.distributed.device_mesh.DeviceMesh with dims ("dp", "ep")
+    world_mesh: object = None  # the same ranks as one dim ("world"): FSDP2's mesh for non-expert parameters
+    experts_mesh: object = None  # dims ("ep", "dp"): expert rows split over ep, then each rank's over dp
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # `start` created the process group (and `stop` destroys it)
 
     @property
     def distributed(self) -> bool:
@@ -83,8 +85,9 @@ def check_batch(spec: Spec, world: int) -> None:
         )
 
 
-def start(spec: Spec) -> Layout:
-    """Join the process group torch.distributed.run set up and build the ("dp", "ep") mesh; world 1: no-op."""
+def start(spec: Spec, training: bool = True) -> Layout:
+    """Join the process group torch.distributed.run set up and build the ("dp", "ep") mesh; world 1: no-op.
+    `training=False` (serving: every rank decodes the same requests) skips the training batch's checks."""
     if not launched():
         if spec.parallel.tp > 1 or spec.parallel.pp > 1:
             degrees(spec, 1)
@@ -93,15 +96,21 @@ def start(spec: Spec) -> Layout:
 
     world = int(os.environ["WORLD_SIZE"])
     dp, ep = degrees(spec, world)
-    check_batch(spec, world)
+    if training:
+        check_batch(spec, world)
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    if not dist.is_initialized():
+    owns = not dist.is_initialized()  # a caller's group (several runs in one launch) is left to the caller
+    if owns:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
+    from torch.distributed.device_mesh import DeviceMesh
+
     mesh = init_device_mesh(device.type, (dp, ep), mesh_dim_names=("dp", "ep"))
-    return Layout(world, dist.get_rank(), dp, ep, mesh, device)
+    world_mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("world",))
+    experts_mesh = DeviceMesh(device.type, mesh.mesh.T.contiguous(), mesh_dim_names=("ep", "dp"))
+    return Layout(world, dist.get_rank(), dp, ep, mesh, world_mesh, experts_mesh, device, owns)
 
 
 def backend() -> str:
@@ -115,7 +124,7 @@ def use_experts(layout: Layout) -> None:
 
 def stop(layout: Layout) -> None:
     expert_parallel.set_group(None)
-    if layout.distributed and dist.is_initialized():
+    if layout.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -133,54 +142,16 @@ def mean(layout: Layout, value: float) -> float:
     return float(t) / layout.world
 
 
-def _all_reduce_flat(tensors: list[Tensor], group, scale: float = 1.0) -> None:
-    """Sum `tensors` (one dtype) over `group` in place with one all-reduce of their concatenation, then scale."""
+def _all_reduce_flat(tensors: list[Tensor], group) -> None:
+    """Sum `tensors` (one dtype) over `group` in place with one all-reduce of their concatenation."""
     if not tensors:
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
-    if scale != 1.0:
-        flat.mul_(scale)
     offset = 0
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view_as(t))
         offset += t.numel()
-
-
-@torch.no_grad()
-def reduce_gradients(layout: Layout, named: list[tuple[str, Tensor]], expert_shards: set[str]) -> None:
-    """Gradients of the global mean loss: replicated parameters averaged over all ranks (one all-reduce),
-    expert shards summed over their dp group and divided by the world size."""
-    if not layout.distributed:
-        return
-    shared = [p.grad for n, p in named if p.grad is not None and n not in expert_shards]
-    experts = [p.grad for n, p in named if p.grad is not None and n in expert_shards]
-    _all_reduce_flat(shared, None, 1.0 / layout.world)
-    if layout.dp > 1:
-        _all_reduce_flat(experts, layout.group("dp"), 1.0 / layout.world)
-    else:
-        for g in experts:
-            g.mul_(1.0 / layout.world)
-
-
-@torch.no_grad()
-def clip_grad_norm(layout: Layout, named: list[tuple[str, Tensor]], expert_shards: set[str], max_norm: float) -> float:
-    """torch.nn.utils.clip_grad_norm_ over the whole model: the norm adds every EP rank's expert shards."""
-    params = [p for _, p in named if p.grad is not None]
-    if not layout.distributed:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-    shared = [p.grad for n, p in named if p.grad is not None and n not in expert_shards]
-    experts = [p.grad for n, p in named if p.grad is not None and n in expert_shards]
-    sq = torch.zeros((), dtype=torch.float32, device=layout.device)
-    for g in experts:
-        sq += g.float().square().sum()
-    if layout.ep > 1:
-        dist.all_reduce(sq, group=layout.group("ep"))
-    for g in shared:
-        sq += g.float().square().sum()
-    total = sq.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
-    return float(total)
 
 
 @torch.no_grad()

@@ -124,14 +124,15 @@ def _one_line(e: BaseException) -> str:
 def _training_shapes(model) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the training state_dict an InferenceModel is packed from."""
     packed = {p[k] for p in model.PACKED.values() for k in ("data", "scale")}
-    shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k not in packed}
+    shapes = {k: model.full_shape(k, tuple(v.shape)) for k, v in model.state_dict().items() if k not in packed}
     shapes.update({w: tuple(p["shape"]) for w, p in model.PACKED.items()})
     return shapes
 
 
 @torch.no_grad()
 def pack_training_state(model, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """An InferenceModel state_dict from a training one: each packed weight MX-quantised, the rest by name."""
+    """An InferenceModel state_dict from a (whole) training one: each packed weight MX-quantised, the rest by
+    name; an expert-parallel rank keeps its experts' rows."""
     from k3compile.ops.mx import mx_quantize
 
     targets = model.state_dict()
@@ -143,7 +144,7 @@ def pack_training_state(model, state: dict[str, Tensor]) -> dict[str, Tensor]:
     for name in targets:
         if name not in out:
             out[name] = state[name]
-    return out
+    return {name: model.local_rows(name, t) for name, t in out.items()}
 
 
 def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path | None = None):
@@ -163,8 +164,8 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
         return module.InferenceModel().eval()
     model = module.InferenceModel(device="meta")
     if weights_class(checkpoint) == "InferenceModel":
-        own = {k: tuple(v.shape) for k, v in model.state_dict().items()}
-        state = read_training_state(checkpoint, own, model.spec)
+        own = {k: model.full_shape(k, tuple(v.shape)) for k, v in model.state_dict().items()}
+        state = {k: model.local_rows(k, v) for k, v in read_training_state(checkpoint, own, model.spec).items()}
     else:
         state = pack_training_state(model, read_training_state(checkpoint, _training_shapes(model), model.spec))
     model = model.to_empty(device="cpu")

@@ -82,18 +82,19 @@ class GeneratedModule(nn.Module):
         device = torch.device(device or (ambient if ambient.type != "cpu" else self.DEFAULT_DEVICE))
         self.spec = Spec.model_validate_json(self.SPEC_JSON)
         self.expert_rows = local_expert_rows(self.spec) if self.EXPERT_PARALLEL else None
-        self.expert_shards: set[str] = set()  # parameters holding rows expert_rows of the stacked experts
+        self.expert_shards: set[str] = set()  # parameters (and packed buffers) holding rows expert_rows of the experts
         for name, shape, _ in self.PARAMETERS:
             dt = torch.float32 if keeps_fp32(self.spec, name) else dtype
             shape = self._local_shape(name, tuple(shape))
             _put(self, name, torch.empty(shape, dtype=dt, device=device), True)
-        for name, shape, dt, persistent in self.BUFFERS:
+        for name, shape, dt, persistent in self.BUFFERS:  # packed (MX) expert stacks are split like parameters
+            shape = self._local_shape(name, tuple(shape))
             _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False, persistent)
         if device.type != "meta":
             self.reset_parameters()
 
     def is_expert_shard(self, name: str, shape: tuple) -> bool:
-        """Whether parameter `name` (of full shape `shape`) is a stacked routed-expert weight split over EP ranks."""
+        """Whether tensor `name` (of full shape `shape`) is a stacked routed-expert weight split over EP ranks."""
         return self.expert_rows is not None and ".experts." in name and shape[0] == self.spec.moe.num_experts
 
     def _local_shape(self, name: str, shape: tuple) -> tuple:
@@ -104,7 +105,7 @@ class GeneratedModule(nn.Module):
         return (stop - start, *shape[1:])
 
     def full_shape(self, name: str, local: tuple) -> tuple:
-        """The shape parameter `name` has in the whole model (its local shape but for expert shards)."""
+        """The shape tensor `name` has in the whole model (its local shape but for expert shards)."""
         return (self.spec.moe.num_experts, *local[1:]) if name in self.expert_shards else local
 
     @torch.no_grad()
@@ -114,7 +115,7 @@ class GeneratedModule(nn.Module):
         for name, p in self.named_parameters():
             full = self.full_shape(name, tuple(p.shape))
             value = initial_value(name, full, self.spec)
-            p.copy_(value if full == tuple(p.shape) else value[slice(*self.expert_rows)])
+            p.copy_(self.local_rows(name, value))
         for b in self.buffers():
             b.zero_()
         buffers = dict(self.named_buffers())
@@ -122,8 +123,12 @@ class GeneratedModule(nn.Module):
             from k3compile.ops.mx import mx_quantize
 
             data, scale = mx_quantize(initial_value(weight, tuple(pack["shape"]), self.spec), pack["fmt"], pack["block"])
-            buffers[pack["data"]].copy_(data.view(buffers[pack["data"]].dtype))
-            buffers[pack["scale"]].copy_(scale)
+            buffers[pack["data"]].copy_(self.local_rows(pack["data"], data.view(buffers[pack["data"]].dtype)))
+            buffers[pack["scale"]].copy_(self.local_rows(pack["scale"], scale))
+
+    def local_rows(self, name: str, full: Tensor) -> Tensor:
+        """This rank's part of tensor `name` given whole: its expert rows for an expert shard, else all of it."""
+        return full[slice(*self.expert_rows)] if name in self.expert_shards else full
 
     def _apply(self, fn, recurse=True):
         kept = {n: t.detach() for n, t in self.state_dict(keep_vars=True).items()
@@ -184,6 +189,8 @@ class InferenceModule(GeneratedModule):
     token per sequence at each sequence's own position. Several prompts of different lengths are
     prefilled one by one into the rows of one batch (`prefill_batch`) and then decode together.
     """
+
+    EXPERT_PARALLEL = True  # the inference graphs exchange expert buffers too (shard_experts) when parallel.ep > 1
 
     def forward(self, tokens: Tensor) -> Tensor:
         """Logits [B, T, V] of a full forward (the prefill graph from empty caches)."""

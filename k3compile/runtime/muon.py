@@ -8,7 +8,9 @@ bf16 matmul (`muon_precision` decides, once per run). In fp32 one step orthogona
 across all parameters (stacked experts, per-head blocks), as one batched matmul chain; bf16 goes matrix by matrix,
 because a batched bf16 matmul does not round exactly as the 2-D ones of torch.optim.Muon do (on oneDNN, about 1%
 of entries land one ulp away). AdamW groups call torch's own functional AdamW, so they match `torch.optim.AdamW`
-exactly. QK-clip (Kimi K2) rescales the heads whose max attention logit exceeds tau.
+exactly. QK-clip (Kimi K2) rescales the heads whose max attention logit exceeds tau. An FSDP2-sharded (DTensor)
+Muon parameter has its update gathered whole for Newton-Schulz, and each rank keeps its own rows of the result
+(Moonshot's Distributed Muon), so head blocks are never cut by a shard.
 """
 
 from __future__ import annotations
@@ -154,6 +156,13 @@ def _block_stacks(t: Tensor, sizes: list[int]) -> list[Tensor]:
     mats = t.unsqueeze(0) if t.ndim == 2 else t.flatten(0, -3)
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     return [mats[:, start : start + size] for start, size in zip(starts, sizes)]
+
+
+def _is_sharded(t: Tensor) -> bool:
+    """Whether `t` is a DTensor (an FSDP2 shard) rather than a whole tensor."""
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
 
 
 def _scalar_dtype() -> torch.dtype:
@@ -357,6 +366,7 @@ class PerHeadMuon(torch.optim.Optimizer):
         per block shape (and iteration settings) over every block of every group, in bf16 matrix by matrix; then
         each block's learning-rate-scaled update."""
         batches: dict[tuple, list[tuple[Tensor, Tensor, float]]] = {}
+        gathered: list[tuple[Tensor, Tensor]] = []  # (sharded parameter, its full-size update)
         for group in groups:
             lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
             settings = (tuple(group["ns_coefficients"]), group["ns_steps"], group["eps"], group["ns_dtype"])
@@ -372,8 +382,13 @@ class PerHeadMuon(torch.optim.Optimizer):
                 buf.lerp_(grad, 1 - mu)
                 update = grad.lerp(buf, mu) if group["nesterov"] else buf
                 p.mul_(1 - lr * wd)
+                target = p
+                if _is_sharded(p):  # Newton-Schulz needs whole head blocks: gather the update, keep this rank's rows
+                    update = update.full_tensor()
+                    target = torch.zeros_like(update)
+                    gathered.append((p, target))
                 sizes = _block_sizes(p.shape[-2], group["head_split"])
-                for p_blk, u_blk in zip(_block_stacks(p, sizes), _block_stacks(update, sizes)):
+                for p_blk, u_blk in zip(_block_stacks(target, sizes), _block_stacks(update, sizes)):
                     rows, cols = u_blk.shape[1:]
                     alpha = -_adjusted_lr(lr, group["adjust_lr_fn"], rows, cols)
                     batches.setdefault((rows, cols, p.device, *settings), []).append((p_blk, u_blk, alpha))
@@ -389,6 +404,10 @@ class PerHeadMuon(torch.optim.Optimizer):
             ortho = newton_schulz(stacked, coefficients, steps, eps, dtype)
             for (p_blk, _, alpha), o in zip(items, ortho.split([u.shape[0] for _, u, _ in items])):
                 p_blk.add_(o, alpha=alpha)
+        for p, delta in gathered:
+            from torch.distributed.tensor import distribute_tensor
+
+            p.add_(distribute_tensor(delta, p.device_mesh, p.placements, src_data_rank=None))  # local rows, no comms
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

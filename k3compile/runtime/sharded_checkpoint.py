@@ -1,8 +1,9 @@
 """Distributed checkpoints (torch.distributed.checkpoint): written by every rank, loadable at another dp x ep layout.
 
 `<checkpoints>/step-<N>.dcp/` holds DCP's shard files and `k3compile.json` (the training metadata). Expert
-shards and their optimiser state are saved as DTensors sharded on the expert dim over the mesh's "ep"
-dimension (replicated over "dp"), every other tensor as a replicated tensor (written once), so DCP's
+stacks and their optimiser state are saved as DTensors sharded on the expert dim over the mesh's "ep"
+dimension, FSDP2's shards of each over "dp"; every other parameter as FSDP2's DTensor shard over all ranks,
+every buffer as a plain tensor (written once), so DCP's
 planner can read them back into any layout: fewer or more EP ranks, or one process holding every
 expert. A checkpoint is written into a hidden `.step-<N>.dcp.tmp/` and renamed into place by rank 0
 after every rank finished (a crash leaves no half checkpoint); older ones are deleted after that.
@@ -25,6 +26,7 @@ from torch import Tensor
 
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime.distributed import Layout, barrier
+from k3compile.runtime.fsdp import local
 from k3compile.runtime.muon import _scalar_dtype
 from k3compile.runtime.durable import fsync_path
 
@@ -46,26 +48,32 @@ def committed(directory: Path) -> list[int]:
     return sorted(steps)
 
 
-def _sharded(layout: Layout, t: Tensor) -> Tensor:
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+def _experts(layout: Layout, t: Tensor, full: tuple[int, ...]) -> Tensor:
+    """An FSDP shard of this rank's expert stack as a DTensor of the whole stack `full`: rows split over "ep",
+    then each EP rank's rows over "dp" (the chunks FSDP2 cut), so DCP knows every rank's rows of all E."""
+    from torch.distributed.tensor import DTensor, Shard
 
-    return DTensor.from_local(t, layout.mesh, [Replicate(), Shard(0)], run_check=False)
+    stride = torch.empty(full, device="meta").stride()
+    return DTensor.from_local(local(t), layout.experts_mesh, [Shard(0), Shard(0)], run_check=False,
+                              shape=torch.Size(full), stride=stride)  # fmt: skip
 
 
 def state_of(layout: Layout, run) -> dict[str, Tensor]:
-    """The run's checkpointed tensors by key; expert shards as DTensors when experts are split over ranks."""
+    """The run's checkpointed tensors by key: FSDP2's shards as DTensors (expert stacks over all E experts)."""
     shards = getattr(run.model, "expert_shards", set())
-    split = layout.distributed and layout.ep > 1
+    split = layout.distributed and bool(shards)
+    full = {n: run.model.full_shape(n, tuple(p.shape)) for n, p in run.named if n in shards}
     state = {}
     for key, t in ckpt.model_tensors(run.model).items():
-        state[key] = _sharded(layout, t) if split and key.removeprefix("model/") in shards else t
+        name = key.removeprefix("model/")
+        state[key] = _experts(layout, t, full[name]) if split and name in shards else t
     for name, p in run.named:
         for slot, shape in run.optimizer.state_layout(p).items():
             slots = run.optimizer.state.setdefault(p, {})
-            if slot not in slots:  # not stepped yet: load into zeros of the right shape
-                slots[slot] = torch.zeros(shape, dtype=p.dtype if shape else _scalar_dtype(), device=p.device)
+            if slot not in slots:  # not stepped yet: load into zeros of the right shape (a shard, like p)
+                slots[slot] = torch.zeros_like(p) if shape else torch.zeros((), dtype=_scalar_dtype(), device=p.device)
             t = slots[slot]
-            state[f"optim/{name}/{slot}"] = _sharded(layout, t) if split and name in shards and shape else t
+            state[f"optim/{name}/{slot}"] = _experts(layout, t, full[name]) if split and name in shards and shape else t
     state["rng/torch"] = torch.get_rng_state()
     state["rng/data"] = run.batches.state()
     return state
@@ -117,13 +125,9 @@ def load(layout: Layout, run, checkpoint: Path) -> int:
     except Exception as e:  # DCP raises CheckpointException (and others) with multi-line text
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ckpt.CheckpointError(f"cannot read {checkpoint}: {first}") from None
-    from torch.distributed.tensor import DTensor
-
     with torch.no_grad():
         for key, t in ckpt.model_tensors(run.model).items():
-            loaded = state[key]
-            if isinstance(loaded, DTensor):
-                loaded = loaded.to_local()
+            loaded, t = local(state[key]), local(t)
             if loaded.data_ptr() != t.data_ptr():
                 t.copy_(loaded)
     run.batches.load_state(state["rng/data"])

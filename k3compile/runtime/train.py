@@ -33,6 +33,7 @@ from torch import Tensor, nn
 from k3compile.kernels.launch import interpreting
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime import distributed as dist_rt
+from k3compile.runtime import fsdp
 from k3compile.runtime import sharded_checkpoint as dcp_ckpt
 from k3compile.runtime.balance import find_routers, restore_stats, snapshot_stats, update_balance
 from k3compile.runtime.data import VOCAB, Batches, Corpus, eval_batches, load_corpus, split, unigram_entropy
@@ -298,11 +299,10 @@ def train_step(run: Run, step: int, total: int) -> dict:
     value = dist_rt.mean(run.layout, float(loss.detach()))
     if not math.isfinite(value):
         raise TrainError(f"the loss is {value} at step {step + 1}; lower training.lr or check the data")
-    loss.backward()
-    dist_rt.reduce_gradients(run.layout, run.named, run.expert_shards)
+    loss.backward()  # across processes FSDP2 reduce-scatters the gradients here (k3compile.runtime.fsdp)
     grad_norm = None
     if t.grad_clip is not None:
-        grad_norm = dist_rt.clip_grad_norm(run.layout, run.named, run.expert_shards, t.grad_clip)
+        grad_norm = fsdp.clip_grad_norm(run.layout, [p for _, p in run.named], t.grad_clip)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
     record = {"step": step + 1, "loss": value, "lr": lr}
@@ -331,6 +331,7 @@ def evaluate(run: Run) -> float:
             total += float(run.model(batch, batch)) * weight
             count += weight
     finally:
+        fsdp.reshard(run.model)
         run.model.train()
         restore_stats(run.routers, saved)
     return dist_rt.mean(run.layout, total / count)
@@ -423,6 +424,11 @@ def resume_from(run: Run, say) -> int:
     if path is None:
         say(f"no checkpoint in {run.checkpoints}; starting from step 0")
         return 0
+    if run.layout.distributed:
+        raise TrainError(
+            f"{path} is a one-process checkpoint; a run across processes resumes only distributed ones "
+            "(start a new run with --init-from it for its weights, or resume it in one process)"
+        )
     state = ckpt.load(path)
     ckpt.check_model(run.model, state)
     meta = _training_meta(state)
@@ -740,12 +746,14 @@ def _setup(
     if init_from is not None:
         from k3compile.runtime.generate import GenerateError, read_training_state
 
-        shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
+        shapes = {k: model.full_shape(k, tuple(v.shape)) for k, v in model.state_dict().items()}  # whole experts
         try:
-            model.load_state_dict(read_training_state(init_from, shapes, spec), strict=True)
+            state = read_training_state(init_from, shapes, spec)
         except GenerateError as e:
             raise TrainError(f"--init-from: {e}") from None
+        model.load_state_dict({k: model.local_rows(k, v) for k, v in state.items()}, strict=True)  # this rank's rows
     model.train()
+    fsdp.shard(layout or dist_rt.Layout(), model)  # across processes: parameters become FSDP2 shards (DTensors)
     named = list(model.named_parameters())
     ns_dtype, muon_note = muon_precision(t.muon_precision, named[0][1].device)
     return Run(
@@ -774,9 +782,9 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
     if so_far.skipped:
         say(f"note: {metrics_path}: skipped {len(so_far.skipped)} lines that are not metrics records "
             f"(the first: line {so_far.skipped[0]})")
-    params = sum(p.numel() for _, p in run.named)
+    params = sum(fsdp.local(p).numel() for _, p in run.named)  # across processes: this rank's FSDP2 shards
     say(
-        f"{run.spec.name}: {params / 1e6:.2f}M parameters{' on this rank' if run.expert_shards else ''}, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
+        f"{run.spec.name}: {params / 1e6:.2f}M parameters{' on this rank' if run.layout.distributed else ''}, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
         f"warmup {t.schedule.warmup_steps}), batch {t.batch_size} x {t.seq_len}, steps {start + 1}..{steps}"
     )
     if t.optimizer != "adamw":

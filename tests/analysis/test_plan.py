@@ -50,11 +50,11 @@ def test_numbers_shared_with_stats_are_equal(k3, k3_plan):
 def test_training_bytes_follow_the_layout(k3_plan):
     total, experts = k3_plan["params"]["total"], k3_plan["params"]["routed_experts"]
     for r in k3_plan["layouts"]:
-        assert r["params_per_rank"] == experts // r["ep"] + -(-(total - experts) // 64)
+        assert r["params_per_rank"] == -(-(experts // r["ep"]) // r["dp"]) + -(-(total - experts) // 64)
         assert r["param_bytes"] == r["grad_bytes"] == 4 * r["params_per_rank"]
         assert r["params_per_rank"] <= r["optimizer_bytes"] // 4 <= 2 * r["params_per_rank"]
         assert r["train_bytes"] == 2 * r["param_bytes"] + r["optimizer_bytes"] + r["activation_bytes"]
-        assert r["train_bytes_replicated"] > r["train_bytes"]
+        assert r["train_bytes_gathered"] == r["train_bytes"] + 8 * (experts // r["ep"] + total - experts)
         assert r["train_fits"] == (r["train_bytes"] <= 0.9 * GPU_MEMORY["h200"])
         assert (r["all_to_all_bytes_per_step"] > 0) == (r["ep"] > 1)
 
