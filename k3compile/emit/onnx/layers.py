@@ -7,8 +7,8 @@ the constants and size arithmetic only it reads, and the standard ops after it t
 values no weight reaches: sizes, caches) where nothing else outside reads those: the cache write, the final
 view. The depth mixing between
 sublayers (stacks, rms_inv, residual sums) reads two sublayers' values or the embedding and stays at the top.
-Sublayers whose nodes are the same up to the values they read are one function, `<graph>_<kind>` (kda, mla,
-moe, dense_ffn; `_2` for a second variant); its inputs are the values it reads, weights among them, and its
+Sublayers of one kind of the layer table whose nodes are the same up to the values they read are one function,
+`<graph>_<kind>` (kda, mla, moe, dense_ffn; `_2` for a second variant); its inputs are the values it reads, weights among them, and its
 outputs the values read outside. A sublayer that is not convex in the data flow stays inline.
 """
 
@@ -39,11 +39,11 @@ def outline_layers(model: ir.Model, spec, graph: str, weights: set[str]) -> Coun
     base = EMITTED_GRAPH.get(graph, graph)
     for (layer, part), members in sorted(regions.items()):
         inputs, outputs = _boundary(members)
-        key = _structure(members, inputs, outputs)
+        kind = f"{base}_{_kind(spec, layer, part)}"
+        key = (kind, _structure(members, inputs, outputs))
         if key not in kinds:
-            name = f"{base}_{_kind(spec, layer, part)}"
-            variants[name] += 1
-            name += f"_{variants[name]}" if variants[name] > 1 else ""
+            variants[kind] += 1
+            name = kind + (f"_{variants[kind]}" if variants[kind] > 1 else "")
             _call(main, name, members, inputs, outputs, f"{part}_{layer}")
             kinds[key] = _function(name, members, inputs, outputs, model.opset_imports[""])
         else:
