@@ -481,7 +481,8 @@ def _add_export_parser(sub) -> None:
         "through DequantizeLinear (--mx fp4) or packed bytes decoded by standard ops (--mx uint8, which "
         "onnxruntime runs on CPU). Inputs and outputs are named (tokens, positions, logits, the caches as "
         "kda_state.<layer>, ..., mla_cache.<layer> in and new.<name> out), batch and sequence axes dynamic, and the build's "
-        "spec hash, compiler, graph and target are in metadata_props.",
+        "spec hash, compiler, graph and target are in metadata_props. Each distinct layer kind is one function "
+        "too (domain k3.layer: prefill_kda, decode_moe, ...), called once per layer.",
     )
     p.add_argument("build", help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
     p.add_argument("-o", "--out", required=True, metavar="OUT_DIR", help="folder for <graph>.onnx (created if missing)")
@@ -499,6 +500,8 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--check", action="store_true",
                    help="run onnx.checker (full), strict shape inference and a numerical comparison with PyTorch "
                    "on random tokens; print the k3 functions used and the largest relative error")
+    p.add_argument("--flat", action="store_true",
+                   help="no layer functions: every layer's ops stay in the main graph (the k3 ops are still functions)")
 
 
 def _export_and_report(build, out, **options) -> None:
@@ -516,7 +519,8 @@ def _export_and_report(build, out, **options) -> None:
         raise SystemExit(1) from None
     for r in results:
         print(f"wrote {r.path} ({r.bytes / 1e6:.1f} MB in {r.seconds:.1f} s): {sum(r.functions.values())} k3 calls "
-              f"of {len(r.functions)} functions")
+              f"of {len(r.functions)} functions" + (f", {sum(r.layers.values())} layer calls of {len(r.layers)} "
+                                                   "layer kinds" if r.layers else ""))
         for note in r.notes:
             print(f"  note: {note}")
         if r.check is None:
@@ -526,6 +530,8 @@ def _export_and_report(build, out, **options) -> None:
         width = max(map(len, c["functions"]))
         for name, count in c["functions"].items():
             print(f"  k3.{name:<{width}}  {count:>5}")
+        for name, count in c.get("layers", {}).items():
+            print(f"  k3.layer.{name:<{max(width - 6, len(name))}}  {count:>5}")
         if c["nested_functions"]:
             print(f"  called inside those: {', '.join('k3.' + n for n in c['nested_functions'])}")
         if "engine" in c:
@@ -537,7 +543,7 @@ def _export_and_report(build, out, **options) -> None:
 
 def _cmd_export(args) -> None:
     _export_and_report(args.build, args.out, graph=args.graph, weights=args.weights, mx=args.mx.lower(),
-                       opset=args.opset, check=args.check)
+                       opset=args.opset, check=args.check, flat=args.flat)
 
 
 # ---------------------------------------------------------------- ablate (issue 14)

@@ -23,6 +23,7 @@ import onnx
 import torch
 
 from k3compile.emit.onnx.functions import DOMAIN, Library
+from k3compile.emit.onnx.layers import DOMAIN as LAYER_DOMAIN
 
 CHECK_TOKENS = (3, 37)  # other sizes than the traced ones (2, 100): the axes must really be dynamic
 CHECK_MAX_LEN = 48  # the caches' length (traced: 128)
@@ -31,8 +32,21 @@ SEED = 0
 
 
 def k3_calls(model: onnx.ModelProto) -> Counter:
-    """The k3 functions the main graph calls, with their counts."""
-    return Counter(n.op_type for n in model.graph.node if n.domain == DOMAIN)
+    """The k3 functions the main graph calls, with their counts, through the layer functions (each call of one
+    counts the k3 calls in its body)."""
+    bodies = {(f.domain, f.name): f for f in model.functions}
+    calls = Counter()
+    for node in model.graph.node:
+        if node.domain == DOMAIN:
+            calls[node.op_type] += 1
+        elif node.domain == LAYER_DOMAIN:
+            calls.update(n.op_type for n in bodies[node.domain, node.op_type].node if n.domain == DOMAIN)
+    return calls
+
+
+def layer_calls(model: onnx.ModelProto) -> Counter:
+    """The layer kinds' functions the main graph calls, with their counts."""
+    return Counter(n.op_type for n in model.graph.node if n.domain == LAYER_DOMAIN)
 
 
 def _holds_fp4(model: onnx.ModelProto) -> bool:
@@ -115,8 +129,9 @@ def check_file(path: Path, graph, lib: Library, numerics: bool = True, target: s
         "checker": "passed (full check)",
         "shape_inference": "passed (strict)",
         "functions": dict(sorted(calls.items())),
+        "layers": dict(sorted(layer_calls(model).items())),
         "k3_ops": dict(sorted(Counter(lib.ops[name] for name in calls.elements()).items())),
-        "nested_functions": sorted({f.name for f in model.functions} - set(calls)),
+        "nested_functions": sorted({f.name for f in model.functions if f.domain == DOMAIN} - set(calls)),
     }
     device = reference_device(target)
     if numerics and device is not None:

@@ -24,6 +24,7 @@ table) and no target opset, and step 1 converts the opset itself. torch is pinne
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import operator
@@ -48,10 +49,14 @@ from onnxscript import version_converter
 from torch import nn
 from torch.export.graph_signature import TensorArgument
 from torch.onnx._internal.exporter import _core, _fx_passes, _registration
+from torch.onnx._internal.fx import passes
+from torch.onnx._internal.fx.passes import type_promotion
 
 from k3compile.emit.onnx import DEFAULT_OPSET, FP4_MIN_OPSET, GRAPHS, MAX_OPSET, MIN_OPSET, MX_REPRESENTATIONS, WEIGHTS
 from k3compile.emit.onnx import functions as k3fn
 from k3compile.emit.onnx import translate
+from k3compile.emit.onnx.layers import DOMAIN as LAYER_DOMAIN
+from k3compile.emit.onnx.layers import k3_calls, outline_layers
 
 PROTOBUF_LIMIT = 2**31 - 2**24  # a model file past 2 GB cannot hold its weights inline; keep a margin
 EXAMPLE_TOKENS = (2, 100)  # traced with batch 2 and 100 tokens (two KDA chunks): sizes above 1 stay symbolic
@@ -83,7 +88,8 @@ class Exported:
     files: list[Path]
     bytes: int
     seconds: float
-    functions: Counter
+    functions: Counter  # k3 function calls, counted through the layer functions
+    layers: Counter = field(default_factory=Counter)  # calls of each layer kind's function
     check: dict | None = None
     notes: list[str] = field(default_factory=list)
 
@@ -205,6 +211,7 @@ def export_onnx(
     mx: str = "fp4",
     opset: int = DEFAULT_OPSET,
     check: bool = False,
+    flat: bool = False,
 ) -> list[Exported]:
     """Export `graph` ("all": every graph the build has) of the build at `build` to `out_dir/<graph>.onnx`.
 
@@ -212,7 +219,8 @@ def export_onnx(
     beside it), "none" (structure only: weights are typed graph inputs); default inline, or none for a
     build on the meta device. mx: "fp4" (FLOAT4E2M1 + E8M0 through DequantizeLinear, opset >= 24) or
     "uint8" (packed bytes decoded by standard ops; runs in onnxruntime on CPU). check: run
-    k3compile.emit.onnx.check on each file (checker, shape inference, numerics against PyTorch).
+    k3compile.emit.onnx.check on each file (checker, shape inference, numerics against PyTorch). flat: no layer
+    functions (k3compile.emit.onnx.layers), every layer's ops in the main graph.
     """
     _check_options(graph, weights, mx, opset)
     package, manifest = _load_build(build)
@@ -225,11 +233,11 @@ def export_onnx(
     results = []
     for g, mode in zip(graphs, modes):
         start = time.perf_counter()
-        model = finish(trace(g), g, lib, mode, manifest)
+        model = finish(trace(g), g, lib, mode, manifest, flat=flat)
         files, notes = save(model, Path(out_dir), g.kind, mode)
-        calls = Counter(n.op_type for n in model.graph if n.domain == k3fn.DOMAIN)
+        layers = Counter(n.op_type for n in model.graph if n.domain == LAYER_DOMAIN)
         result = Exported(g.kind, files[0], files, sum(p.stat().st_size for p in files),
-                          time.perf_counter() - start, calls, notes=notes)
+                          time.perf_counter() - start, k3_calls(model), layers=layers, notes=notes)
         if check:
             from k3compile.emit.onnx.check import check_file
 
@@ -259,7 +267,7 @@ def trace(g: ExportGraph) -> ir.Model:
     is skipped. It is most of the cost, and quadratic in the number of weights (torch's signature
     bookkeeping): on Kimi K3 (3012 weights) it took 78 s of CPU, the rest of the export 35.
     """
-    with _quiet(), torch.no_grad():
+    with _quiet(), torch.no_grad(), _lean_tracing():
         registry = _registration.ONNXRegistry.from_torchlib()
         for target, translation in translate.table(_recording_library()).items():
             registry.register_op(target, translation)
@@ -305,7 +313,7 @@ def _write_copies_functionally(program: torch.export.ExportedProgram) -> None:
     """An in-place ATen op whose target is a fresh copy no one else reads (`cache.clone().scatter_(...)`) becomes
     the op's functional form on the original: the same values, and no mutation left to functionalise."""
     gm = program.graph_module
-    renamed = {}
+    renamed: dict[str, str] = {}
     for node in list(gm.graph.nodes):
         target = node.target
         if node.op != "call_function" or not isinstance(target, torch._ops.OpOverload) or not node.args:
@@ -327,7 +335,8 @@ def _write_copies_functionally(program: torch.export.ExportedProgram) -> None:
     for spec in program.graph_signature.output_specs:  # outputs are named by their node
         if isinstance(spec.arg, TensorArgument) and spec.arg.name in renamed:
             spec.arg = TensorArgument(name=renamed[spec.arg.name])
-    gm.recompile()
+    if renamed:
+        gm.recompile()
 
 
 def _prepare_captured(program: torch.export.ExportedProgram) -> None:
@@ -341,18 +350,38 @@ def _prepare_captured(program: torch.export.ExportedProgram) -> None:
                 user.replace_input_with(node, node.meta["val"])
             gm.graph.erase_node(node)
     gm.graph.eliminate_dead_code()
-    _fx_passes.insert_type_promotion_nodes(gm)
+    for module in gm.modules():
+        promotion = passes.InsertTypePromotion(module)
+        promotion.interpreter.__class__ = _PromotionOnly
+        promotion.run()
     program._graph_module = _fx_passes.remove_assertion_nodes(gm)
 
 
-def finish(model: ir.Model, g: ExportGraph, lib: k3fn.Library, weights: str, manifest: dict) -> ir.Model:
+class _PromotionOnly(type_promotion._TypePromotionInterpreter):
+    """The exporter's type promotion pass, without re-running the ops it has no rule for: they keep their traced
+    value (k3 ops, views, matmuls), where the pass would execute the whole graph again on fake tensors (on Kimi
+    K3, a sixth of the export). Ops with a rule run as before, so their casts and new values are the same."""
+
+    def run_node(self, n: torch.fx.Node):
+        if (n.op == "call_function" and "val" in n.meta
+                and type_promotion.get_type_promotion_rule(n, self.type_promotion_table) is None):
+            return n.meta["val"]
+        return super().run_node(n)
+
+
+def finish(model: ir.Model, g: ExportGraph, lib: k3fn.Library, weights: str, manifest: dict,
+           flat: bool = False) -> ir.Model:
     """`trace`'s model (changed in place) at lib's opset with lib's k3 functions, MX payloads and weights as
-    asked, axes named and the build described in metadata_props."""
+    asked, each layer kind one function (unless `flat`), axes named and the build described in metadata_props."""
     _convert_opset(model, lib)
+    state = set(g.module.state_dict())
     if weights == "none":
-        _weights_as_inputs(model, set(g.module.state_dict()))
+        _weights_as_inputs(model, state)
     if lib.mx == "fp4":
         _fp4_payloads(model)
+    spec = getattr(g.module, "spec", None)  # a model's graph has layers; a module of a few ops does not
+    if not flat and spec is not None:
+        outline_layers(model, spec, g.kind, state)
     _name_axes(model, g.axis_names)
     model.metadata_props.update({
         "k3compile.spec": manifest["spec"]["name"],
@@ -381,6 +410,33 @@ class _quiet:
     def __exit__(self, *exc):
         self._logger.setLevel(self._level)
         return self._warnings.__exit__(*exc)
+
+
+@contextlib.contextmanager
+def _lean_tracing():
+    """Two costs of an export that buy nothing here, off while tracing. torch.export records each node's Python stack
+    (the ONNX file would carry it per node as metadata); and torch's exporter builds an ONNX op's signature from its
+    schema at every op it emits (24k times on Kimi K3), though it depends on the schema alone: built once per schema."""
+    import torch.fx.config as fx_config
+
+    cls = ir.schemas.OpSignature
+    original = cls.__dict__["from_op_schema"]
+    built: dict[tuple, ir.schemas.OpSignature] = {}
+
+    def from_op_schema(op_schema):
+        key = (op_schema.domain, op_schema.name, op_schema.since_version)
+        if key not in built:
+            built[key] = original.__get__(None, cls)(op_schema)
+        return built[key]
+
+    stack_traces = fx_config.do_not_emit_stack_traces
+    cls.from_op_schema = staticmethod(from_op_schema)
+    fx_config.do_not_emit_stack_traces = True
+    try:
+        yield
+    finally:
+        cls.from_op_schema = original
+        fx_config.do_not_emit_stack_traces = stack_traces
 
 
 def _convert_opset(model: ir.Model, lib: k3fn.Library) -> None:

@@ -3,6 +3,7 @@ weights mode, checked, and run in onnxruntime against the PyTorch InferenceModel
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 
 import numpy as np
@@ -62,6 +63,35 @@ def test_k3_function_calls_match_the_compiled_graph(tiny, uint8_model):
     assert sum(compiled.values()) == 169  # 152 before AttnRes normalised each source once (17 k3::rms_inv)
 
 
+def layer_table_calls(spec, kind: str) -> Counter:
+    """The layer-kind functions a graph should call, from the spec's layer table: one per token mixer (K: kda,
+    M: mla) and one per FFN (MoE or dense); the infer graph is the prefill graph."""
+    graph = "prefill" if kind == "infer" else kind
+    mixers = Counter("kda" if m == "K" else "mla" for m in spec.mixers)
+    ffns = Counter("moe" if spec.is_moe_layer(i) else "dense_ffn" for i in range(spec.num_layers))
+    return Counter({f"{graph}_{name}": n for name, n in (mixers + ffns).items()})
+
+
+DEPTH_MIXING = {"attn_res", "attn_res_normed", "rms_inv", "rms_norm"}  # final depth site and norm, rms_inv of sources
+
+
+def test_each_layer_kind_is_one_function(tiny, uint8_model):
+    """k3-tiny's infer graph calls one k3.layer function per sublayer, one function per kind (the spec's layer
+    table gives the counts); the main graph keeps only the depth mixing, and every weight is read in a layer
+    function or by the embedding, final norm and head."""
+    model = onnx.load(uint8_model[0])
+    spec = tiny[2].module.spec
+    assert k3check.layer_calls(model) == layer_table_calls(spec, "infer")
+    layer_functions = {f.name for f in model.functions if f.domain == "k3.layer"}
+    assert layer_functions == set(layer_table_calls(spec, "infer"))
+    main = Counter(n.op_type for n in model.graph.node if n.domain == "k3")
+    assert set(main) <= DEPTH_MIXING and main["rms_norm"] == 1
+    calls = [n for n in model.graph.node if n.domain == "k3.layer"]
+    assert [n.name for n in calls] == [f"{part}_{i}" for i in range(spec.num_layers) for part in ("attn", "ffn")]
+    read_at_top = {i for n in model.graph.node if n.domain != "k3.layer" for i in n.input if i.startswith("layers.")}
+    assert not read_at_top
+
+
 def test_names_axes_and_metadata(tiny, uint8_model):
     model = onnx.load(uint8_model[0])
     dims = lambda v: [d.dim_param or d.dim_value for d in v.type.tensor_type.shape.dim]  # noqa: E731
@@ -72,8 +102,8 @@ def test_names_axes_and_metadata(tiny, uint8_model):
     assert meta["k3compile.spec_sha256"] == manifest["spec"]["sha256"]
     assert meta["k3compile.compiler"] == manifest["compiler"]
     assert (meta["k3compile.graph"], meta["k3compile.target"], meta["k3compile.mx"]) == ("infer", "cpu", "uint8")
-    assert {o.domain: o.version for o in model.opset_import} == {"": 24, "k3": 1}
-    assert all(f.domain == "k3" for f in model.functions)
+    assert {o.domain: o.version for o in model.opset_import} == {"": 24, "k3": 1, "k3.layer": 1}
+    assert {f.domain for f in model.functions} == {"k3", "k3.layer"}
 
 
 def test_fp4_weights_are_float4_with_e8m0_scales(tiny, tmp_path):
@@ -284,6 +314,8 @@ def test_serving_graphs_k3_calls_match_the_compiled_graph(fp32, kind):
     assert Counter(lib.ops[name] for name in calls.elements()) == compiled
     # 4 layers: 9 depth sites, mixed by attn_res_normed on the CPU target's prefill, by attn_res at decode
     assert compiled["attn_res_normed" if kind == "prefill" else "attn_res"] == 9
+    model = onnx.load(files[kind][0])
+    assert k3check.layer_calls(model) == layer_table_calls(files[kind][1].module.spec, kind)
 
 
 # MXFP4 experts with fp32 activations (no MXFP8 fake quantisation, whose rounding ties flip on last-bit differences),
@@ -323,8 +355,28 @@ def test_mxfp4_experts_match_pytorch(mxfp4, tmp_path, mx, engine):
         decode = next(f for f in model.functions if f.name == "mx_dequantize_e2m1")
         (node,) = decode.node
         assert node.op_type == "DequantizeLinear" and "block_size" in {a.name for a in node.attribute}
-        calls = [n for n in model.graph.node if n.op_type == "mx_dequantize_e2m1"]
+        bodies = [n for f in model.functions if f.domain == "k3.layer" for n in f.node]  # the MoE layer's function
+        calls = [n for n in [*model.graph.node, *bodies] if n.op_type == "mx_dequantize_e2m1"]
         assert [a.i for n in calls for a in n.attribute if a.name == "block"] == [32]
+
+
+def test_layer_functions_compute_what_the_flat_graph_does(mxfp4, tmp_path):
+    """The same trace finished flat (every layer's ops in the main graph) and with layer functions (the two-layer
+    k3-tiny: one KDA, one dense FFN, one MLA, one MoE): the same logits in onnxruntime, from a main graph of less
+    than half the nodes."""
+    manifest, graph, traced = mxfp4
+    lib = F.define(24, "uint8")
+    paths = {}
+    for flat in (True, False):
+        model = E.finish(traced.clone(), graph, lib, "inline", manifest, flat=flat)
+        (paths[flat],), _ = E.save(model, tmp_path / str(flat), "infer", "inline")
+    assert not k3check.layer_calls(onnx.load(str(paths[True])))
+    assert k3check.layer_calls(onnx.load(str(paths[False]))) == layer_table_calls(graph.module.spec, "infer")
+    tokens = torch.randint(0, 256, (2, 19), generator=torch.Generator().manual_seed(3)).numpy()
+    (want,), _ = k3check.run_onnx(paths[True], {"tokens": tokens}, reference=False)
+    (got,), _ = k3check.run_onnx(paths[False], {"tokens": tokens}, reference=False)
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    assert len(onnx.load(str(paths[False])).graph.node) < len(onnx.load(str(paths[True])).graph.node) / 2
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -351,9 +403,39 @@ def test_cli_prints_the_check(cli, monkeypatch, tiny, uint8_model, tmp_path):
     """The command's report: the file, the k3 functions with counts, the engine and the largest errors."""
     path, lib = uint8_model
     found = k3check.check_file(path, tiny[2], lib, numerics=False)
-    result = E.Exported("infer", path, [path], path.stat().st_size, 1.0, Counter(found["functions"]), found)
+    layers = Counter(found["layers"])
+    result = E.Exported("infer", path, [path], path.stat().st_size, 1.0, Counter(found["functions"]), layers, found)
     monkeypatch.setattr(E, "export_onnx", lambda *a, **k: [result])
     rc, stdout, _ = cli("export", tiny[0], "-o", tmp_path, "--check")
     assert rc == 0
     assert f"wrote {path}" in stdout and "169 k3 calls of 16 functions" in stdout
+    kinds = layer_table_calls(tiny[2].module.spec, "infer")
+    assert f"{sum(kinds.values())} layer calls of {len(kinds)} layer kinds" in stdout
     assert "k3.attn_res" in stdout and "17" in stdout and "numerics: skipped" in stdout
+    assert re.search(rf"k3\.layer\.prefill_moe +{kinds['prefill_moe']}\n", stdout)
+
+
+def test_type_promotion_without_rerunning_unpromoted_ops_gives_the_exporters_casts():
+    """The captured path's type promotion skips re-running ops without a promotion rule (a k3 op, a view); the
+    casts it inserts are those of the exporter's own pass (mixed dtypes, a Python scalar, an integer division)."""
+    import copy
+
+    from torch.onnx._internal.fx import passes
+
+    class Mixed(torch.nn.Module):
+        def forward(self, x, i):
+            y = torch.ops.k3.rms_norm.default(x.view(2, 3, 4), x[0, :4], 1e-5)
+            return y * 2 + i, torch.div(i, 3), (y.to(torch.float16) + x.view(2, 3, 4)).sum()
+
+    program = torch.export.export(Mixed(), (torch.randn(6, 4), torch.arange(24).view(2, 3, 4)), strict=False)
+    graphs = []
+    for fast in (False, True):
+        gm = copy.deepcopy(program.graph_module)
+        promotion = passes.InsertTypePromotion(gm)
+        if fast:
+            promotion.interpreter.__class__ = E._PromotionOnly
+        promotion.run()
+        graphs.append([(n.op, str(n.target), str(n.args), str(n.meta["val"].dtype) if "val" in n.meta and
+                        isinstance(n.meta["val"], torch.Tensor) else "") for n in gm.graph.nodes])
+    assert graphs[0] == graphs[1]
+    assert sum(t == "aten._to_copy.default" or "prims.convert" in t for _, t, _, _ in graphs[1]) >= 2
