@@ -9,7 +9,9 @@ A step is forward + mean next-token loss + backward + the spec's optimizer step 
 `k3compile train` runs it, on random bytes. Rows:
   emitted   the built package's Model (the bound fx graph as Python, QAT fake quantisation inside);
   eager     the model definition (k3compile.modules.model.K3Model) run eagerly in train mode with the same
-            weights, no passes: experts at the spec's capacity, no quantisation;
+            weights, no passes: experts at the spec's capacity, and with quantization.qat the same fake
+            quantisation as the emitted Model (`K3Model.quantize_as_trained`: the routed experts' weights and
+            matmul inputs through k3::mx_fake_quantize), so both rows compute the same loss (printed);
   compiled  torch.compile of the emitted Model (compile time reported separately, not in tokens/s).
 Columns: the first (warm-up) step, then medians over --steps of forward + backward, the optimizer step and
 the whole step, each in process CPU seconds (all threads, user + system: the number to compare on a shared
@@ -83,10 +85,11 @@ def eager_loss(model, tokens):
 
 
 def eager_model(spec, state: dict) -> K3Model:
-    """The model definition over the emitted Model's weights, in train mode (the lowering input, no passes)."""
+    """The model definition over the emitted Model's weights, in train mode (the lowering input, no passes),
+    fake-quantising what the training build does (QAT of the routed experts, through the same k3 ops)."""
     model = K3Model(spec, init=False)
     model.load_state_dict(state, strict=True)
-    return model.train()
+    return model.quantize_as_trained().train()
 
 
 def main() -> None:
