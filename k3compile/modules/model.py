@@ -223,7 +223,8 @@ class K3Model(nn.Module):
             return self
         experts = {name: m for name, m in self.named_modules() if isinstance(m, RoutedExperts)}
         for w in weight_inventory(self.spec):
-            mx = w.matmul and (w.format in ELEMENT_OF_POLICY or activation_format(self.spec, w.module) in ELEMENT_OF_POLICY)
+            afmt = activation_format(self.spec, w.module)
+            mx = w.matmul and (w.format in ELEMENT_OF_POLICY or afmt in ELEMENT_OF_POLICY)
             if mx and w.name.rpartition(".")[0].rpartition(".")[0] not in experts:
                 raise ValueError(f"quantize_as_trained: the policy quantises {w.name}, outside the routed experts")
         formats = {w.name: w.format for w in weight_inventory(self.spec)}

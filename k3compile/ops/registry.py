@@ -176,7 +176,8 @@ def _register_backward(
             float_grads = [g for g in grads if g.is_floating_point()]
             got = kernel(float_grads, outputs, *args) if saves_outputs else kernel(float_grads, *args)
             present = [i for i, g in zip(diff_idx, got) if g is not None]
-            declared = _as_declared([g for g in got if g is not None], [args[i] for i in present], [*args, *grads, *outputs])
+            taken = [*args, *grads, *outputs]
+            declared = _as_declared([g for g in got if g is not None], [args[i] for i in present], taken)
             return _fill_missing(dict(zip(present, declared)), diff_idx)
         present = [i for i in diff_idx if args[i] is not None]
         diff = tuple(args[i] for i in present)
