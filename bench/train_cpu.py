@@ -9,11 +9,16 @@ A step is forward + mean next-token loss + backward + the spec's optimizer step 
 `k3compile train` runs it, on random bytes. Rows:
   emitted   the built package's Model (the bound fx graph as Python, QAT fake quantisation inside);
   eager     the model definition (k3compile.modules.model.K3Model) run eagerly in train mode with the same
-            weights, no passes: experts at the spec's capacity, no quantisation;
+            weights, no passes: experts at the spec's capacity, and with quantization.qat the same fake
+            quantisation as the emitted Model (`K3Model.quantize_as_trained`: the routed experts' weights and
+            matmul inputs through k3::mx_fake_quantize), so both rows compute the same loss (printed);
   compiled  torch.compile of the emitted Model (compile time reported separately, not in tokens/s).
 Columns: the first (warm-up) step, then medians over --steps of forward + backward, the optimizer step and
 the whole step, each in process CPU seconds (all threads, user + system: the number to compare on a shared
-machine) and wall seconds; tokens/s = batch * seq / median wall step seconds. The header names the CPU
+machine) and wall seconds; tokens/s = batch * seq / median wall step seconds; the first step's loss (the
+rows compute the same loss). The timed steps run round-robin over the rows, one step of each in turn, so a
+change in a shared machine's load falls on every row alike; the last lines give each row's fwd+bwd CPU
+seconds over the emitted Model's. The header names the CPU
 capability torch dispatches to, the thread count, the CPU time of one bf16 and one fp32 Gram matmul (a
 256 x 768 Newton-Schulz step: bf16 is native where the two are close, emulated where it is 5-45x slower)
 and the precision Muon's Newton-Schulz runs in (see `training.muon_precision`). Nothing here is asserted on.
@@ -48,18 +53,21 @@ Times = tuple[float, float, float, float]  # CPU s fwd+bwd, CPU s optimizer, wal
 
 def trainer(model: torch.nn.Module, loss_fn: Callable, spec, tokens: torch.Tensor) -> Callable[[], Times]:
     """One training step of `model` (loss_fn(model, tokens) -> loss) with the spec's optimizer; returns the
-    CPU and wall seconds of forward + backward and of the optimizer step."""
+    CPU and wall seconds of forward + backward and of the optimizer step. `step.losses` collects the losses."""
     named = list(model.named_parameters())
     opt = make_optimizer(spec, named)
 
     def step() -> Times:
         wall, cpu = time.perf_counter(), time.process_time()
-        loss_fn(model, tokens).backward()
+        loss = loss_fn(model, tokens)
+        loss.backward()
         wall_mid, cpu_mid = time.perf_counter(), time.process_time()
+        step.losses.append(loss.item())
         opt.step()
         opt.zero_grad(set_to_none=True)
         return cpu_mid - cpu, time.process_time() - cpu_mid, wall_mid - wall, time.perf_counter() - wall_mid
 
+    step.losses = []
     return step
 
 
@@ -83,10 +91,11 @@ def eager_loss(model, tokens):
 
 
 def eager_model(spec, state: dict) -> K3Model:
-    """The model definition over the emitted Model's weights, in train mode (the lowering input, no passes)."""
+    """The model definition over the emitted Model's weights, in train mode (the lowering input, no passes),
+    fake-quantising what the training build does (QAT of the routed experts, through the same k3 ops)."""
     model = K3Model(spec, init=False)
     model.load_state_dict(state, strict=True)
-    return model.train()
+    return model.quantize_as_trained().train()
 
 
 def main() -> None:
@@ -145,19 +154,26 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
         rows.append(("compiled", compiled))
     print(f"{'':<10} {'first step':>10}  {'CPU seconds (median)':^26}  {'wall seconds (median)':^26}")
     print(f"{'row':<10} {'CPU s':>10}  {'fwd+bwd':>8} {'optim':>8} {'step':>8}  {'fwd+bwd':>8} {'optim':>8} "
-          f"{'step':>8}  {'tokens/s':>8}")
-    for name, make in rows:
-        step = make()
-        first = step()  # warm-up (for compiled: includes compilation)
-        times = [step() for _ in range(steps)]
-        med = [statistics.median(t[i] for t in times) for i in range(4)]
-        cpu_total = statistics.median(t[0] + t[1] for t in times)
-        wall_total = statistics.median(t[2] + t[3] for t in times)
+          f"{'step':>8}  {'tokens/s':>8}  first loss")
+    steppers = {name: make() for name, make in rows}
+    first = {name: step() for name, step in steppers.items()}  # warm-up (for compiled: includes compilation)
+    times: dict[str, list[Times]] = {name: [] for name in steppers}
+    for _ in range(steps):  # round-robin, so a change in the machine's load falls on every row alike
+        for name, step in steppers.items():
+            times[name].append(step())
+    for name, step in steppers.items():
+        med = [statistics.median(t[i] for t in times[name]) for i in range(4)]
+        cpu_total = statistics.median(t[0] + t[1] for t in times[name])
+        wall_total = statistics.median(t[2] + t[3] for t in times[name])
         print(
-            f"{name:<10} {first[0] + first[1]:>10.2f}  {med[0]:>8.2f} {med[1]:>8.2f} {cpu_total:>8.2f}  "
-            f"{med[2]:>8.2f} {med[3]:>8.2f} {wall_total:>8.2f}  {batch * seq / wall_total:>8.0f}",
+            f"{name:<10} {first[name][0] + first[name][1]:>10.2f}  {med[0]:>8.2f} {med[1]:>8.2f} {cpu_total:>8.2f}  "
+            f"{med[2]:>8.2f} {med[3]:>8.2f} {wall_total:>8.2f}  {batch * seq / wall_total:>8.0f}  {step.losses[0]:.6f}",
             flush=True,
         )
+    base = statistics.median(t[0] for t in times["emitted"])
+    for name in steppers:
+        if name != "emitted":
+            print(f"fwd+bwd CPU s {name} / emitted: {statistics.median(t[0] for t in times[name]) / base:.2f}x")
 
 
 if __name__ == "__main__":

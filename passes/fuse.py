@@ -7,6 +7,11 @@ stacked gate/up matmuls + GLU -> expert_glu and their down matmul ->
 expert_matmul, each reading MXFP4 weights directly (mx_expert_glu,
 mx_expert_matmul) when pack_mxfp4 left them packed. (KDA emits
 k3::rms_norm_gate itself.)
+
+CPU training graphs keep the GLU projections' matmuls (expert_matmul for the stacked ones) and apply
+the activation with glu_train, which returns its derivatives for the backward: the fused GLU ops'
+reference backwards recompute both projections and the activation, which on a CPU costs more than the
+memory saved.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from torch import fx
 
 import k3compile.ops.experts  # noqa: F401  (registers k3::expert_glu and friends)
 import k3compile.ops.fused  # noqa: F401  (registers k3::linear_glu)
+import k3compile.ops.glu_train  # noqa: F401  (registers k3::glu_train)
 from k3compile.ir.pass_manager import GraphPass, PassContext
 
 K3 = torch.ops.k3
@@ -42,6 +48,23 @@ def _glu(act) -> tuple | None:
         gate, up = act.args
         return gate, up, "swiglu", 0.0, 0.0
     return None
+
+
+def _glu_train(gm: fx.GraphModule) -> int:
+    """Every SiTU-GLU / SwiGLU -> k3::glu_train's first output (the activation saving its derivatives)."""
+    count = 0
+    for act in list(gm.graph.nodes):
+        glu = _glu(act)
+        if glu is None:
+            continue
+        gate, up, kind, b1, b2 = glu
+        with gm.graph.inserting_before(act):
+            fused = gm.graph.call_function(K3.glu_train.default, (gate, up, kind, b1, b2))
+            value = gm.graph.call_function(operator.getitem, (fused, 0))
+        act.replace_all_uses_with(value)
+        gm.graph.erase_node(act)
+        count += 1
+    return count
 
 
 def _fuse_add_rms_norm(gm: fx.GraphModule) -> int:
@@ -257,8 +280,10 @@ def _fuse_mx_experts(gm: fx.GraphModule) -> int:
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
+    glu_train = _glu_train(gm) if ctx.target == "cpu" and ctx.graph == "train" else 0
     expert_glu, expert_matmul = _fuse_experts(gm)
     stats = {
+        "glu_train": glu_train,
         "add_rms_norm": _fuse_add_rms_norm(gm),
         "rms_norm_gate": _fuse_rms_norm_gate(gm),
         "linear_glu": _fuse_linear_glu(gm),
@@ -273,11 +298,12 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
 
 PASS = GraphPass(
     name="fuse",
-    summary="rewrite add+RMSNorm, RMSNorm*sigmoid gate, gate/up+GLU, router+top-k and expert GEMMs into fused ops",
+    summary="rewrite add+RMSNorm, RMSNorm*sigmoid gate, gate/up+GLU (glu_train on CPU training graphs), router+top-k "
+    "and expert GEMMs into fused ops",
     preserves_numerics=True,
     statistics=(
-        "add_rms_norm", "rms_norm_gate", "linear_glu", "router", "expert_glu", "expert_matmul", "mx_experts",
-        "nodes_rewritten",
+        "glu_train", "add_rms_norm", "rms_norm_gate", "linear_glu", "router", "expert_glu", "expert_matmul",
+        "mx_experts", "nodes_rewritten",
     ),
     run=run,
 )

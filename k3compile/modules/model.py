@@ -31,7 +31,7 @@ from k3compile.modules.init import init_parameters
 from k3compile.modules.kda import KDAMixer, KDAState
 from k3compile.modules.mla import MLAMixer
 from k3compile.modules.mlp import MLP
-from k3compile.modules.moe import LatentMoE
+from k3compile.modules.moe import LatentMoE, RoutedExperts
 from k3compile.modules.norms import RMSNorm
 from k3compile.spec.schema import MIXER_KDA, Spec
 
@@ -210,6 +210,29 @@ class K3Model(nn.Module):
 
     def forward(self, tokens):  # unannotated: the emitted code needs no typing imports
         return self._run(tokens, "train", None, None)[0]
+
+    def quantize_as_trained(self) -> K3Model:
+        """Fake-quantise, eagerly, what the training build does under the spec's policy with QAT: the routed
+        experts' matmul inputs and weights (MX formats). A policy selecting other weights is refused (the
+        eager definition has no hook there); the lowering input never calls this."""
+        from k3compile.analysis.formats import ELEMENT_OF_POLICY
+        from k3compile.spec.weights import activation_format, weight_inventory
+
+        q = self.spec.quantization
+        if not q.qat:
+            return self
+        experts = {name: m for name, m in self.named_modules() if isinstance(m, RoutedExperts)}
+        for w in weight_inventory(self.spec):
+            afmt = activation_format(self.spec, w.module)
+            mx = w.matmul and (w.format in ELEMENT_OF_POLICY or afmt in ELEMENT_OF_POLICY)
+            if mx and w.name.rpartition(".")[0].rpartition(".")[0] not in experts:
+                raise ValueError(f"quantize_as_trained: the policy quantises {w.name}, outside the routed experts")
+        formats = {w.name: w.format for w in weight_inventory(self.spec)}
+        for name, m in experts.items():
+            wfmt, afmt = formats[f"{name}.up_proj.weight"], activation_format(self.spec, f"{name}.up_proj")
+            m.weight_quant = (ELEMENT_OF_POLICY[wfmt], q.block_size) if wfmt in ELEMENT_OF_POLICY else None
+            m.act_quant = (ELEMENT_OF_POLICY[afmt], q.block_size) if afmt in ELEMENT_OF_POLICY else None
+        return self
 
     def prefill(self, tokens, caches):
         return self._run(tokens, "prefill", caches, None)

@@ -175,6 +175,7 @@ class RoutedExperts(nn.Module):
         check_activation(activation, beta1, beta2)
         self.activation, self.beta1, self.beta2 = activation, beta1, beta2
         self.act_quant: tuple[str, int] | None = None  # (MX element format, block) for the matmul inputs
+        self.weight_quant: tuple[str, int] | None = None  # (MX element format, block): QAT of the weights
         if activation != "gelu":
             self.gate_proj = StackedWeight(num_experts, intermediate_size, width)
         self.up_proj = StackedWeight(num_experts, intermediate_size, width)
@@ -184,7 +185,8 @@ class RoutedExperts(nn.Module):
         gate = self.gate_proj.weight if self.activation != "gelu" else None
         b1, b2 = (self.beta1, self.beta2) if self.activation == "situ_glu" else (0.0, 0.0)
         return expert_mlp(
-            buffer_ECW, gate, self.up_proj.weight, self.down_proj.weight, self.activation, b1, b2, self.act_quant
+            buffer_ECW, gate, self.up_proj.weight, self.down_proj.weight, self.activation, b1, b2, self.act_quant,
+            self.weight_quant,
         )
 
 

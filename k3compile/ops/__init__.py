@@ -19,6 +19,7 @@ from k3compile.ops.balancing import (
 from k3compile.ops.experts import expert_glu, expert_matmul, mx_expert_glu, mx_expert_matmul
 from k3compile.ops.fused import linear_glu
 from k3compile.ops.gla import gla, gla_decode_step
+from k3compile.ops.glu_train import glu_train
 from k3compile.ops.kda import kda, kda_decode_step, kda_gate
 from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
 from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, route
@@ -38,6 +39,7 @@ __all__ = [
     "gelu",
     "gla",
     "gla_decode_step",
+    "glu_train",
     "kda",
     "kda_decode_step",
     "kda_gate",

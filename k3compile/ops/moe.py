@@ -105,6 +105,7 @@ def expert_mlp(
     beta1: float = 4.0,
     beta2: float = 25.0,
     act_quant: tuple[str, int] | None = None,
+    weight_quant: tuple[str, int] | None = None,
     *,
     backend: str = "auto",
 ) -> Tensor:
@@ -112,10 +113,16 @@ def expert_mlp(
 
     Gated activations (situ_glu, swiglu) need gate_weight; gelu is ungated and takes none.
     act_quant = (MX element format, block) fake-quantises both matmul inputs (buffer and hidden)
-    along their last dim, as the quantisation policy's activation format asks.
+    along their last dim, as the quantisation policy's activation format asks; weight_quant likewise
+    fake-quantises the three weights (QAT, straight-through), as the training build's pack_mxfp4 does.
     """
     if activation not in ACTIVATIONS:
         raise ValueError(f"activation must be one of {ACTIVATIONS}, got {activation!r}")
+    if weight_quant is not None:
+        gate_weight, up_weight, down_weight = (
+            None if w is None else mx_fake_quantize(w, *weight_quant, backend=backend)
+            for w in (gate_weight, up_weight, down_weight)
+        )
     if act_quant is not None:
         buffer = mx_fake_quantize(buffer, *act_quant, backend=backend)
     up = torch.matmul(buffer, up_weight.transpose(-1, -2))

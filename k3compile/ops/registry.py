@@ -103,6 +103,7 @@ def k3_op(
     differentiable: Sequence[str] = (),
     backward: Callable | None = None,
     fake_takes_backend: bool = False,
+    saves_outputs: bool = False,
 ) -> Callable:
     """Decorator registering a typed PyTorch reference as `torch.ops.k3.<name>`, with a trailing `backend` argument.
 
@@ -111,10 +112,14 @@ def k3_op(
     arguments that receive gradients; their gradients come from a second op `k3::<name>_bwd`. `backward`,
     the reference's hand-written backward, has the contract of a Triton `<fn>_bwd`: (the floating-point
     output cotangents, *the op's arguments) -> one gradient (or None) per differentiable argument; without
-    it the reference backend recomputes the forward under torch.func.vjp.
+    it the reference backend recomputes the forward under torch.func.vjp. `saves_outputs`: the op's outputs
+    are saved for the backward too (an op returning what its backward needs beside its result), and
+    `backward` takes (cotangents, the op's outputs, *the op's arguments).
     """
     if backward is not None and not differentiable:
         raise ValueError(f"k3::{name}: a backward needs the differentiable arguments named")
+    if saves_outputs and backward is None:
+        raise ValueError(f"k3::{name}: saves_outputs needs a hand-written backward that reads them")
 
     def decorate(ref: Callable):
         n_params = len(inspect.signature(ref).parameters)
@@ -133,11 +138,16 @@ def k3_op(
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema)
         op.register_fake(fake_impl)
         if differentiable:
-            _register_backward(name, ref, op, list(differentiable), backward)
+            _register_backward(name, ref, op, list(differentiable), backward, saves_outputs)
         op.reference = ref
         return op
 
     return decorate
+
+
+def _zeros(shape, dtype: torch.dtype, device: torch.device, broadcast: bool) -> Tensor:
+    zero = torch.zeros((), dtype=dtype, device=device)
+    return zero.expand(shape) if broadcast else torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _fill_missing(got: dict[int, Tensor], diff_idx: list[int]) -> list[Tensor]:
@@ -145,7 +155,9 @@ def _fill_missing(got: dict[int, Tensor], diff_idx: list[int]) -> list[Tensor]:
     return [got[i] if i in got else torch.empty(0) for i in diff_idx]
 
 
-def _register_backward(name: str, ref: Callable, op, differentiable: list[str], ref_bwd: Callable | None) -> None:
+def _register_backward(
+    name: str, ref: Callable, op, differentiable: list[str], ref_bwd: Callable | None, saves_outputs: bool = False
+) -> None:
     params = list(inspect.signature(ref).parameters)
     unknown = [a for a in differentiable if a not in params]
     if unknown:
@@ -153,16 +165,19 @@ def _register_backward(name: str, ref: Callable, op, differentiable: list[str], 
     diff_idx = [params.index(a) for a in differentiable]
     fwd_schema = _with_backend(torch.library.infer_schema(ref, mutates_args=()))
     args_part = fwd_schema[fwd_schema.index("(") + 1 : fwd_schema.rindex(") ->")]
-    bwd_schema = f"(Tensor[] grads, {args_part}) -> Tensor[]"
+    saved = "Tensor[] outputs, " if saves_outputs else ""
+    bwd_schema = f"(Tensor[] grads, {saved}{args_part}) -> Tensor[]"
 
     def bwd_impl(grads: list[Tensor], *args, **kwargs) -> list[Tensor]:
-        args, backend = _split_backend(len(params), args, kwargs)
+        outputs = list(args[0]) if saves_outputs else []
+        args, backend = _split_backend(len(params), args[int(saves_outputs):], kwargs)
         kernel = binding.triton_function(name, "_bwd") if resolve(name, backend, args) == "triton" else ref_bwd
         if kernel is not None:
             float_grads = [g for g in grads if g.is_floating_point()]
-            got = kernel(float_grads, *args)
+            got = kernel(float_grads, outputs, *args) if saves_outputs else kernel(float_grads, *args)
             present = [i for i, g in zip(diff_idx, got) if g is not None]
-            declared = _as_declared([g for g in got if g is not None], [args[i] for i in present], list(args) + grads)
+            taken = [*args, *grads, *outputs]
+            declared = _as_declared([g for g in got if g is not None], [args[i] for i in present], taken)
             return _fill_missing(dict(zip(present, declared)), diff_idx)
         present = [i for i in diff_idx if args[i] is not None]
         diff = tuple(args[i] for i in present)
@@ -183,7 +198,7 @@ def _register_backward(name: str, ref: Callable, op, differentiable: list[str], 
         return _fill_missing(got, diff_idx)
 
     def bwd_fake(grads: list[Tensor], *args, **kwargs) -> list[Tensor]:
-        args, _ = _split_backend(len(params), args, kwargs)
+        args, _ = _split_backend(len(params), args[int(saves_outputs):], kwargs)
         return [torch.empty_like(args[i]) if args[i] is not None else args[0].new_empty(0) for i in diff_idx]
 
     bwd = torch.library.custom_op(f"{NAMESPACE}::{name}_bwd", bwd_impl, mutates_args=(), schema=bwd_schema)
@@ -193,20 +208,21 @@ def _register_backward(name: str, ref: Callable, op, differentiable: list[str], 
         tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]
         ctx.tensor_pos = tensor_pos
         ctx.others = [None if isinstance(a, Tensor) else a for a in inputs]
-        ctx.save_for_backward(*(inputs[i] for i in tensor_pos))
         outs = _as_tuple(output)
+        ctx.save_for_backward(*(inputs[i] for i in tensor_pos), *(outs if saves_outputs else ()))
         ctx.out_meta = [(o.shape, o.dtype) for o in outs]
 
     def backward(ctx, *grads):
         args = list(ctx.others)
-        for i, t in zip(ctx.tensor_pos, ctx.saved_tensors):
+        saved = ctx.saved_tensors
+        for i, t in zip(ctx.tensor_pos, saved):
             args[i] = t
-        device = ctx.saved_tensors[0].device
-        filled = [
-            g if g is not None else torch.zeros(shape, dtype=dtype, device=device)
+        device = saved[0].device
+        filled = [  # an op saving its outputs reads no cotangent of them: a broadcast zero, not a filled one
+            g if g is not None else _zeros(shape, dtype, device, saves_outputs)
             for g, (shape, dtype) in zip(grads, ctx.out_meta)
         ]
-        got = bwd(filled, *args)
+        got = bwd(filled, list(saved[len(ctx.tensor_pos):]), *args) if saves_outputs else bwd(filled, *args)
         result: list = [None] * len(args)
         for i, g in zip(diff_idx, got):
             if args[i] is not None and ctx.needs_input_grad[i]:

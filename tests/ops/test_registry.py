@@ -88,3 +88,22 @@ def test_a_hand_written_backward_replaces_the_recompute(monkeypatch):
     torch.testing.assert_close(gw, x.detach().pow(2).sum(0))
     with pytest.raises(ValueError, match="differentiable"):
         k3_op("test_bad_backward", fake=lambda x: x, backward=_square_sum_bwd)
+
+
+def _saving_bwd(grads, outputs, x):
+    return [grads[0] * outputs[1]]  # dy/dx saved by the forward
+
+
+@k3_op(
+    "test_saving_sin", fake=lambda x: (torch.empty_like(x), torch.empty_like(x)), differentiable=("x",),
+    backward=_saving_bwd, saves_outputs=True,
+)
+def saving_sin(x: Tensor) -> tuple[Tensor, Tensor]:
+    return x.sin(), x.cos()
+
+
+def test_a_backward_reading_saved_outputs():
+    x = torch.randn(3, 5, dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a: saving_sin(a)[0], (x,))
+    with pytest.raises(ValueError, match="saves_outputs needs"):
+        k3_op("test_saving_without_bwd", fake=lambda x: torch.empty_like(x), differentiable=("x",), saves_outputs=True)

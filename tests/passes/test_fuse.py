@@ -69,7 +69,7 @@ def test_plain_outputs_unchanged_bit_for_bit(plain):
 def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, record):
     n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
     expected = len(tiny_spec.dense_layers) + n_moe  # one dense FFN + one shared-expert MLP per MoE layer
-    for graph in GRAPHS:
+    for graph in INFER_GRAPHS:  # the CPU train graph takes glu_train instead (next test)
         gm = tiny_build[graph].gm
         fused = [n for n in gm.graph.nodes if n.target is K3.linear_glu.default]
         assert len(fused) == expected == record(graph, "fuse").statistics["linear_glu"]
@@ -82,10 +82,35 @@ def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, rec
         assert count(gm, K3.situ_glu.default) == 0
 
 
+def test_cpu_train_graph_applies_every_glu_with_glu_train(tiny_spec, tiny_build, record):
+    """The CPU train graph keeps the GLU projections' matmuls (linears; expert_matmul for the stacked experts)
+    and applies each activation with glu_train, whose backward reads the derivatives it saved."""
+    n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
+    gm = tiny_build["train"].gm
+    glus = [n for n in gm.graph.nodes if n.target is K3.glu_train.default]
+    stats = record("train", "fuse").statistics
+    assert len(glus) == stats["glu_train"] == len(tiny_spec.dense_layers) + 2 * n_moe
+    assert stats["linear_glu"] == stats["expert_glu"] == 0
+    assert count(gm, K3.linear_glu.default) == count(gm, K3.expert_glu.default) == count(gm, K3.situ_glu.default) == 0
+    projections = {K3.expert_matmul.default, torch._C._nn.linear}
+    for n in glus:
+        assert n.args[2:] == ("situ_glu", 4.0, 25.0) and {a.target for a in n.args[:2]} <= projections
+        assert [u.args[1] for u in n.users] == [0]  # only the activation is read; the derivatives go to backward
+    assert record("prefill", "fuse").statistics["glu_train"] == record("decode", "fuse").statistics["glu_train"] == 0
+
+
+def test_gpu_train_graph_keeps_the_fused_glu_projections(load):
+    spec = load("k3-tiny.yaml", "target=h100")
+    r = around_fuse(spec, device="meta")
+    stats = r["record"].statistics
+    assert stats["glu_train"] == 0 and stats["linear_glu"] == 8 and stats["expert_glu"] == 7
+
+
 def test_attn_res_leaves_no_residual_add_to_fuse(record):
     for graph in GRAPHS:
         stats = record(graph, "fuse").statistics
-        kinds = ("add_rms_norm", "rms_norm_gate", "linear_glu", "router", "expert_glu", "expert_matmul", "mx_experts")
+        kinds = ("glu_train", "add_rms_norm", "rms_norm_gate", "linear_glu", "router", "expert_glu", "expert_matmul",
+                 "mx_experts")
         assert stats["add_rms_norm"] == 0 and stats["nodes_rewritten"] == sum(stats[k] for k in kinds)
 
 
@@ -103,21 +128,26 @@ def test_router_logits_scoring_bias_and_top_k_become_one_op(tiny_spec, tiny_buil
 
 
 def test_routed_experts_become_grouped_gemms(tiny_spec, tiny_build, record):
-    """Training: expert_glu + expert_matmul on the fake-quantised stacked weights; inference: their MXFP4
-    forms reading the packed buffers (the dequantisation moves into the kernel). In the decode graph the packed
-    data and scales are first gathered by the routing indices, so only the picked experts are read."""
+    """Training (CPU): expert_matmul for gate, up and down on the fake-quantised stacked weights, glu_train
+    between; inference: expert_glu + expert_matmul in their MXFP4 forms reading the packed buffers (the
+    dequantisation moves into the kernel). In the decode graph the packed data and scales are first gathered by
+    the routing indices, so only the picked experts are read."""
     n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
     train = tiny_build["train"].gm
-    glu = [n for n in train.graph.nodes if n.target is K3.expert_glu.default]
-    down = [n for n in train.graph.nodes if n.target is K3.expert_matmul.default]
-    assert len(glu) == len(down) == n_moe
-    for g in glu:
-        assert g.args[0].target is K3.mx_fake_quantize.default and g.args[3:] == ("situ_glu", 4.0, 25.0)
-        for w, proj in zip(g.args[1:3], ("gate_proj", "up_proj")):
-            assert w.target is K3.mx_fake_quantize.default and w.args[0].target.endswith(f"experts.{proj}.weight")
+    mms = [n for n in train.graph.nodes if n.target is K3.expert_matmul.default]
+    assert len(mms) == 3 * n_moe
+    projs = []
+    for m in mms:
+        x, w = m.args
+        assert x.target is K3.mx_fake_quantize.default and w.target is K3.mx_fake_quantize.default
+        projs.append(w.args[0].target.rsplit(".", 2)[-2])
+        if projs[-1] != "down_proj":
+            (user,) = m.users
+            assert user.target is K3.glu_train.default
+    assert sorted(projs) == sorted(["gate_proj", "up_proj", "down_proj"] * n_moe)
     assert not any(n.target is torch.matmul for n in train.graph.nodes)
     stats = record("train", "fuse").statistics
-    assert stats["expert_glu"] == stats["expert_matmul"] == n_moe and stats["mx_experts"] == 0
+    assert stats["expert_glu"] == 0 and stats["expert_matmul"] == 3 * n_moe and stats["mx_experts"] == 0
     for graph in INFER_GRAPHS:
         infer = tiny_build[graph].gm
         mx_glu = [n for n in infer.graph.nodes if n.target is K3.mx_expert_glu.default]
@@ -158,12 +188,16 @@ def test_kda_gate_is_fused_at_the_source(tiny_spec, tiny_build, record):
 
 def test_swiglu_kind(load):
     spec = load("ablations/swiglu.yaml")
-    r = around_fuse(spec)
+    r = around_fuse(spec, graph="prefill")
     fused = [n for n in r["gm"].graph.nodes if n.target is K3.linear_glu.default]
     assert len(fused) == 8 and all(n.args[3] == "swiglu" for n in fused)
     assert r["glus"] == 8 + 7  # before: 8 fusable + 7 routed-expert activations
     assert r["record"].statistics["expert_glu"] == 7 and count(r["gm"], K3.swiglu.default) == 0
-    assert torch.equal(r["after"], r["before"])
+    torch.testing.assert_close(r["after"], r["before"], rtol=1e-5, atol=1e-6)
+    train = around_fuse(spec)  # the CPU train graph: every activation through glu_train
+    glus = [n for n in train["gm"].graph.nodes if n.target is K3.glu_train.default]
+    assert len(glus) == 15 and all(n.args[2] == "swiglu" for n in glus)
+    torch.testing.assert_close(train["after"], train["before"], rtol=1e-5, atol=1e-6)
 
 
 def test_ungated_mlp_has_nothing_to_fuse(load):

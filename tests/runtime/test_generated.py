@@ -224,3 +224,23 @@ def test_meta_build_then_to_empty_and_init_equals_a_direct_build(pkg, cls):
         assert got.keys() == want.keys() and got
         for name in want:
             assert got[name].dtype == want[name].dtype and torch.equal(got[name], want[name]), name
+
+
+def test_the_eager_definition_quantized_as_trained_equals_the_qat_training_model(pkg, eager_step):
+    """K3Model.quantize_as_trained() (QAT of the routed experts' weights and inputs, in train mode) computes
+    the emitted Model's loss and gradients: the eager row of bench/train_cpu.py runs the same computation."""
+    emitted, loss_e = eager_step
+    state = {k: v.detach().clone() for k, v in pkg.Model().state_dict().items()}
+    model = K3Model(load_spec(K3_TINY, ["moe.capacity_factor=8"]), init=False)
+    model.load_state_dict(state, strict=True)
+    model.quantize_as_trained().train()
+    logits = model(TOKENS)
+    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), LABELS[:, 1:].flatten(), ignore_index=-100)
+    loss.backward()
+    assert abs(loss.item() - loss_e.item()) <= 1e-5 * loss_e.item()
+    grads = dict(model.named_parameters())
+    for n, p in emitted.named_parameters():
+        if p.grad.norm() > 0:
+            assert rel(grads[n].grad, p.grad) <= 1e-4, n
+        else:  # a site with one source: its query's gradient is exactly zero
+            assert grads[n].grad.norm() == 0, n
