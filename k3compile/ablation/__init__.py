@@ -145,13 +145,14 @@ def _parallel(study: Study, todo: list[RunKey], show) -> dict:
     finished = {}
     with ProcessPoolExecutor(study.jobs, mp_context=ctx) as pool:
         futures = {pool.submit(_worker, (study, key, threads, q)): key for key in todo}
-        for key in todo:
-            show.start(key)
+        by_id = {k.id: k for k in todo}
         pending = set(futures)
         while pending:
-            try:
-                run_id, n = q.get(timeout=0.5)
-                show.tick(next(k for k in todo if k.id == run_id), n)
+            try:  # a run's bar appears with its first tick, so only the running runs show beside the study's
+                message = q.get(timeout=0.5)
+                while True:  # drain: a finished run's last ticks are queued before its future is done
+                    show.tick(by_id[message[0]], message[1])
+                    message = q.get_nowait()
             except queues.Empty:
                 pass
             for f in [f for f in pending if f.done()]:

@@ -106,3 +106,31 @@ def accuracy(model, batches: list[tuple[Tensor, Tensor]]) -> float:
     finally:
         model.train(was_training)
     return right / total
+
+
+@torch.no_grad()
+def accuracy_by_query(model, batches: list[tuple[Tensor, Tensor]]) -> list[float]:
+    """Accuracy of the first, second, ... query of each sequence (in the order they appear).
+
+    Tells recall from elimination: with every key queried, the last query's value is the one not yet given,
+    so a model that cannot bind keys still gets it right while the first stays at chance.
+    """
+    right: list[int] = []
+    total: list[int] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for tokens, labels in batches:
+            ok = model(tokens)[:, :-1].argmax(-1) == labels[:, 1:]
+            scored = labels[:, 1:] != IGNORE
+            order = scored.cumsum(-1) - 1  # the query's index in its sequence
+            for q in range(int(scored.sum(-1).max())):
+                at = scored & (order == q)
+                if q == len(right):
+                    right.append(0)
+                    total.append(0)
+                right[q] += int(ok[at].sum())
+                total[q] += int(at.sum())
+    finally:
+        model.train(was_training)
+    return [r / t for r, t in zip(right, total)]

@@ -19,6 +19,9 @@ class _Quiet:
     def finish(self, key, result) -> None:
         pass
 
+    def running(self) -> list[str]:
+        return []
+
     def table(self, doc) -> None:
         pass
 
@@ -40,20 +43,33 @@ def display(enabled: bool, study, keys, done: dict) -> Iterator:
     columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                TextColumn("eta"), TimeRemainingColumn())  # fmt: skip
     with Progress(*columns, console=console) as progress:
-        whole = progress.add_task(f"study ({len(keys)} runs, {len(done)} done)", total=total, completed=finished)
-        bars: dict[str, int] = {}
+        whole = progress.add_task("", total=total, completed=finished)
+        bars: dict[str, int] = {}  # the running runs' bars only: queued runs show in the study bar's count
         at: dict[str, int] = {}
+        ended = set(done)
+
+        def describe() -> None:
+            progress.update(whole, description=f"study: {len(ended)}/{len(keys)} runs done, {len(bars)} running")
+
+        describe()
 
         class Show:
             def say(self, text: str) -> None:
                 progress.console.print(text)
 
             def start(self, key) -> None:
+                if key.id in bars or key.id in ended:
+                    return
                 bars[key.id] = progress.add_task(key.id, total=study.steps[key.variant])
                 at[key.id] = 0
+                describe()
 
             def tick(self, key, step: int) -> None:
-                if at.get(key.id, 0) == 0 and step > 0:  # a resumed run: its first tick is where it resumes
+                """Advance a run's bar; a run's first tick shows its bar (a worker's run starts when it ticks)."""
+                if key.id in ended:
+                    return
+                self.start(key)
+                if at[key.id] == 0 and step > 0:  # a resumed run: its first tick is where it resumes
                     progress.advance(whole, step)
                     progress.update(bars[key.id], completed=step)
                     at[key.id] = step
@@ -62,8 +78,15 @@ def display(enabled: bool, study, keys, done: dict) -> Iterator:
                 progress.update(bars[key.id], completed=step)
                 at[key.id] = step
 
+            def running(self) -> list[str]:
+                """The runs whose bars show now."""
+                return list(bars)
+
             def finish(self, key, result) -> None:
-                progress.remove_task(bars.pop(key.id))
+                if key.id in bars:
+                    progress.remove_task(bars.pop(key.id))
+                ended.add(key.id)
+                describe()
                 metric = "val loss" if result["task"] == "lm" else "MQAR acc"
                 progress.console.print(f"{key.id}: final {metric} {result['final']:.4f}, best {result['best']:.4f}")
 

@@ -40,7 +40,7 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def _mqar_run(spec, package, task: MQAR, out: Path) -> Run:
+def mqar_run(spec, package, task: MQAR, out: Path) -> Run:
     """A Run on MQAR batches: the model initialised as `_setup` does, the task's parameters as its data fingerprint."""
     t = spec.training
     torch.manual_seed(t.seed)
@@ -74,7 +74,7 @@ def run_one(
         run = _setup(spec, package, corpus, train_tokens, val_tokens, out, None)
         measure = lambda: {"val_loss": evaluate(run)}  # noqa: E731
     else:
-        run = _mqar_run(spec, package, task, out)
+        run = mqar_run(spec, package, task, out)
         val = held_out(task, MQAR_HELD_OUT, spec.training.batch_size * EVAL_BATCHES, key.seed)
         measure = lambda: {"mqar_acc": accuracy(run.model, val)}  # noqa: E731
     start = resume_from(run, lambda *a, **k: None) if ckpt.committed(run.checkpoints) else 0
