@@ -50,14 +50,18 @@ def _glu(act) -> tuple | None:
     return None
 
 
+def _glus(gm: fx.GraphModule):
+    """(node, gate, up, kind, beta1, beta2) of every k3 GLU node, over a snapshot of the graph."""
+    for act in list(gm.graph.nodes):
+        glu = _glu(act)
+        if glu is not None:
+            yield (act, *glu)
+
+
 def _glu_train(gm: fx.GraphModule) -> int:
     """Every SiTU-GLU / SwiGLU -> k3::glu_train's first output (the activation saving its derivatives)."""
     count = 0
-    for act in list(gm.graph.nodes):
-        glu = _glu(act)
-        if glu is None:
-            continue
-        gate, up, kind, b1, b2 = glu
+    for act, gate, up, kind, b1, b2 in _glus(gm):
         with gm.graph.inserting_before(act):
             fused = gm.graph.call_function(K3.glu_train.default, (gate, up, kind, b1, b2))
             value = gm.graph.call_function(operator.getitem, (fused, 0))
@@ -115,11 +119,7 @@ def _fuse_rms_norm_gate(gm: fx.GraphModule) -> int:
 
 def _fuse_linear_glu(gm: fx.GraphModule) -> int:
     count = 0
-    for act in list(gm.graph.nodes):
-        glu = _glu(act)
-        if glu is None:
-            continue
-        gate, up, kind, b1, b2 = glu
+    for act, gate, up, kind, b1, b2 in _glus(gm):
         if not (_is(gate, LINEARS) and _is(up, LINEARS)) or len(gate.users) != 1 or len(up.users) != 1:
             continue
         if gate.args[0] is not up.args[0] or len(gate.args) > 2 and gate.args[2] is not None:
@@ -198,11 +198,7 @@ def _erase_if_unused(gm: fx.GraphModule, *nodes) -> None:
 def _fuse_experts(gm: fx.GraphModule) -> tuple[int, int]:
     """Stacked-weight gate/up matmuls + GLU -> k3::expert_glu; the remaining stacked matmuls -> k3::expert_matmul."""
     glu = 0
-    for act in list(gm.graph.nodes):
-        parts = _glu(act)
-        if parts is None:
-            continue
-        gate, up, kind, b1, b2 = parts
+    for act, gate, up, kind, b1, b2 in _glus(gm):
         sg, su = _stacked_weight(gate), _stacked_weight(up)
         if sg is None or su is None or gate.args[0] is not up.args[0] or len(gate.users) != 1 or len(up.users) != 1:
             continue
