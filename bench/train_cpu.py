@@ -146,6 +146,12 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
     ]
     if compile_too:
 
+        if torch.backends.cpu.get_cpu_capability() == "AVX2":
+            import torch._inductor.config as inductor
+
+            inductor.cpp.enable_loop_tail_vec = False  # its AVX2 vectorised loop tails give a NaN loss here
+            print("compiled: inductor's loop-tail vectorisation off on AVX2 (docs/benchmarks.md)")
+
         def compiled():
             model = package.Model().train()
             model.load_state_dict(state)
