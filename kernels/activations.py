@@ -12,6 +12,14 @@ from torch import Tensor
 from k3compile.kernels.consts import const
 from k3compile.kernels.norms import as_dtype, upcast
 
+GLU_KINDS = ("situ_glu", "swiglu")
+
+
+def check_glu_kind(kind: str, op: str) -> None:
+    """ValueError (naming `op`) unless `kind` names a gated activation the GLU ops support."""
+    if kind not in GLU_KINDS:
+        raise ValueError(f"{op} kind must be one of {GLU_KINDS}, got {kind!r}")
+
 
 def situ_glu_ref(gate: Tensor, up: Tensor, beta1: float, beta2: float) -> Tensor:
     """SiTU-GLU: [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)].

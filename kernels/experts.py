@@ -12,18 +12,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3compile.kernels.activations import glu_grads, situ_glu_ref, swiglu_ref
+from k3compile.kernels.activations import check_glu_kind, glu_grads, situ_glu_ref, swiglu_ref
 from k3compile.kernels.mx import mx_dequantize_fast
 from k3compile.kernels.norms import as_dtype, upcast, upcast_dtype
-
-GLU_KINDS = ("situ_glu", "swiglu")
-
-
-def check_glu_kind(kind: str) -> None:
-    """ValueError unless `kind` names a gated activation the expert GLU supports."""
-    if kind not in GLU_KINDS:
-        raise ValueError(f"expert GLU kind must be one of {GLU_KINDS}, got {kind!r}")
-
 
 def _acc_dtype(x: Tensor) -> torch.dtype:
     return upcast_dtype(x.dtype)
@@ -43,7 +34,7 @@ def expert_glu_ref(
 
     kind "situ_glu" uses beta1/beta2; "swiglu" (silu(gate) * up) ignores them.
     """
-    check_glu_kind(kind)
+    check_glu_kind(kind, "expert GLU")
     x = upcast(x_ECw)
     gate = _matmul_t(x, upcast(w_gate_EIw))
     up = _matmul_t(x, upcast(w_up_EIw))
@@ -69,7 +60,7 @@ def expert_glu_bwd_ref(
     The gate/up projections are recomputed (the op saves only its inputs), then per expert
     dx = dgate W_gate + dup W_up, dW_gate = dgate^T x, dW_up = dup^T x, with (dgate, dup) from `glu_grads`.
     """
-    check_glu_kind(kind)
+    check_glu_kind(kind, "expert GLU")
     x, wg, wu = _batched(x_ECw), _batched(w_gate_EIw), _batched(w_up_EIw)
     dgate, dup = glu_grads(grads[0].reshape(*x.shape[:-1], -1), x @ wg.mT, x @ wu.mT, kind, beta1, beta2)
     dx = torch.baddbmm(dgate @ wg, dup, wu)

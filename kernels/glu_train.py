@@ -11,9 +11,9 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.kernels.activations import check_glu_kind
 from k3compile.kernels.norms import upcast_dtype
 
-GLU_KINDS = ("situ_glu", "swiglu")
 CHUNK = 1 << 16  # elements per chunk: the scratch and the chunk's slices stay in cache
 
 
@@ -47,8 +47,7 @@ def glu_train_ref(gate: Tensor, up: Tensor, kind: str, beta1: float, beta2: floa
 
     kind "situ_glu" uses beta1/beta2; "swiglu" ignores them.
     """
-    if kind not in GLU_KINDS:
-        raise ValueError(f"glu_train kind must be one of {GLU_KINDS}, got {kind!r}")
+    check_glu_kind(kind, "glu_train")
     acc = upcast_dtype(gate.dtype)
     g = gate.to(acc).contiguous().view(-1)
     u = up.to(acc).contiguous().view(-1)

@@ -18,7 +18,7 @@ import triton.language as tl
 import torch
 from torch import Tensor
 
-from k3compile.kernels.experts import check_glu_kind
+from k3compile.kernels.activations import check_glu_kind
 from k3compile.kernels.launch import interpreting, launch_config
 from k3compile.kernels.mx import mx_dequant_meta
 from k3compile.kernels.mx_tile_triton import dequant_e2m1_tile
@@ -231,7 +231,7 @@ def _launch_glu(
     name: str, x: Tensor, wg: Tensor, wgs: Tensor, wu: Tensor, wus: Tensor, N: int, mx: bool, block: int,
     kind: str, beta1: float, beta2: float,
 ) -> Tensor:
-    check_glu_kind(kind)
+    check_glu_kind(kind, "expert GLU")
     E, M, K = x.shape
     y = torch.empty(E, M, N, dtype=x.dtype, device=x.device)
     if y.numel() == 0:
@@ -332,7 +332,7 @@ def expert_glu_bwd(
     Recomputes gate/up per tile for dgate/dup (stored in x's dtype), then dx = dgate W_gate + dup W_up and
     dW_gate = dgate^T x, dW_up = dup^T x per expert.
     """
-    check_glu_kind(kind)
+    check_glu_kind(kind, "expert GLU")
     x, wg, wu = x_ECw.contiguous(), w_gate_EIw.contiguous(), w_up_EIw.contiguous()
     dy = grads[0].contiguous()
     E, C, W = x.shape

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import experts as ref
+from k3compile.kernels.activations import check_glu_kind
 from k3compile.ops.registry import k3_op
 
 
@@ -63,7 +64,7 @@ def expert_glu(
     x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float = 4.0, beta2: float = 25.0, *, backend: str = "auto"
 ) -> Tensor:
     """act(x W_gate^T, x W_up^T) per expert: x [..., C, w], weights [..., I, w] -> [..., C, I]."""
-    ref.check_glu_kind(kind)
+    check_glu_kind(kind, "expert GLU")
     return torch.ops.k3.expert_glu.default(x, w_gate, w_up, kind, beta1, beta2, backend=backend)
 
 
@@ -86,7 +87,7 @@ def mx_expert_glu(
     backend: str = "auto",
 ) -> Tensor:
     """`expert_glu` with MXFP4 gate/up weights (packed e2m1 [..., I, w/2] + E8M0 scales [..., I, w/block])."""
-    ref.check_glu_kind(kind)
+    check_glu_kind(kind, "expert GLU")
     return torch.ops.k3.mx_expert_glu.default(
         x, gate_data, gate_scale, up_data, up_scale, block, kind, beta1, beta2, backend=backend
     )
