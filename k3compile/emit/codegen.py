@@ -195,13 +195,20 @@ def header(spec: Spec, passes: list[str], target: str, mode: str) -> str:
     )
 
 
+def merged_rows(merged: dict) -> list[tuple]:
+    """(stacked buffer, member weight) per member of each of merge_projections' groups, members in row order."""
+    return [(name, w) for name, members in merged.items() for w in members]
+
+
 def _class(cls_name: str, base: str, doc: str, prefix: str, tables_gm: fx.GraphModule, packed: dict,
-           default_device: str, methods: list[str]) -> str:
+           default_device: str, methods: list[str], merged: dict | None = None) -> str:
     tables = (
         f"{prefix}_PARAMETERS = {table_source(tensor_rows(tables_gm, 'parameters'))}\n"
         f"{prefix}_BUFFERS = {table_source(tensor_rows(tables_gm, 'buffers'))}\n"
         f"{prefix}_PACKED = packed_table({table_source(packed_rows(packed), names=3)})\n"
     )
+    if merged:
+        tables += f"{prefix}_MERGED = {table_source(merged_rows(merged), names=2)}\n"
     return (
         f"{tables}\n\n"
         f"class {cls_name}({base}):\n"
@@ -210,7 +217,8 @@ def _class(cls_name: str, base: str, doc: str, prefix: str, tables_gm: fx.GraphM
         f"    PARAMETERS = {prefix}_PARAMETERS\n"
         f"    BUFFERS = {prefix}_BUFFERS\n"
         f"    PACKED = {prefix}_PACKED\n"
-        f"    DEFAULT_DEVICE = {default_device!r}\n\n"
+        + (f"    MERGED = {prefix}_MERGED\n" if merged else "")
+        + f"    DEFAULT_DEVICE = {default_device!r}\n\n"
         + "\n\n".join(methods)
         + "\n"
     )
@@ -245,7 +253,7 @@ def model_source(
             methods.append(body)
         doc = "Inference module: prefill(tokens) and decode(tokens, cache) through the compiled graphs; forward(tokens) -> logits."
         classes.append(_class("InferenceModel", "InferenceModule", doc, "INFER", graphs["prefill"], packed["prefill"],
-                              default_device, methods))  # fmt: skip
+                              default_device, methods, graphs["decode"].meta.get("merged")))  # fmt: skip
     lines = [header(spec, passes, target, "+".join(graphs)), '"""The model, generated from its bound graphs."""', ""]
     lines += sorted(i for i in imports if i.startswith("import"))
     lines += sorted(i for i in imports if not i.startswith("import"))
@@ -256,9 +264,11 @@ def model_source(
 
 
 def _check_same_tensors(a: fx.GraphModule, b: fx.GraphModule) -> None:
-    """The prefill and decode graphs read one set of weights (one InferenceModel holds both)."""
+    """The prefill and decode graphs read one set of weights (one InferenceModel holds both; merge_projections'
+    stacked buffers are views of them)."""
     def names(gm):
-        return sorted(n for n, _ in gm.named_parameters()) + sorted(n for n, _ in gm.named_buffers())
+        merged = gm.meta.get("merged", {})
+        return sorted(n for n, _ in gm.named_parameters()) + sorted(n for n, _ in gm.named_buffers() if n not in merged)
 
     if names(a) != names(b):
         only = sorted(set(names(a)) ^ set(names(b)))

@@ -72,6 +72,7 @@ class GeneratedModule(nn.Module):
     PARAMETERS: tuple = ()
     BUFFERS: tuple = ()
     PACKED: dict = {}
+    MERGED: tuple = ()  # (stacked buffer, member weight) rows of merge_projections: members are views of its rows
     DEFAULT_DEVICE: str = "cpu"
 
     EXPERT_PARALLEL: bool = False  # holds only this rank's experts under an expert-parallel group
@@ -90,8 +91,25 @@ class GeneratedModule(nn.Module):
         for name, shape, dt, persistent in self.BUFFERS:  # packed (MX) expert stacks are split like parameters
             shape = self._local_shape(name, tuple(shape))
             _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False, persistent)
+        self._tie_merged()
         if device.type != "meta":
             self.reset_parameters()
+
+    def _tie_merged(self) -> None:
+        """Stack each MERGED group's weights into its buffer (not saved) and make the weights views of its rows,
+        so the decode graph's one matmul and the prefill graph's per-weight matmuls read the same memory."""
+        groups: dict[str, list[str]] = {}
+        for stacked, member in self.MERGED:
+            groups.setdefault(stacked, []).append(member)
+        for stacked, members in groups.items():
+            params = [self.get_parameter(m) for m in members]
+            rows = torch.cat([p.detach() for p in params])
+            owner, _, leaf = stacked.rpartition(".")
+            self.get_submodule(owner).register_buffer(leaf, rows, persistent=False)
+            start = 0
+            for p in params:
+                p.data = rows[start : start + p.shape[0]]
+                start += p.shape[0]
 
     def is_expert_shard(self, name: str, shape: tuple) -> bool:
         """Whether tensor `name` (of full shape `shape`) is a stacked routed-expert weight split over EP ranks."""
@@ -116,8 +134,10 @@ class GeneratedModule(nn.Module):
             full = self.full_shape(name, tuple(p.shape))
             value = initial_value(name, full, self.spec)
             p.copy_(self.local_rows(name, value))
-        for b in self.buffers():
-            b.zero_()
+        stacked = {name for name, _ in self.MERGED}
+        for name, b in self.named_buffers():
+            if name not in stacked:  # a stacked buffer holds the weights just set
+                b.zero_()
         buffers = dict(self.named_buffers())
         for weight, pack in self.PACKED.items():
             from k3compile.ops.mx import mx_quantize
@@ -143,6 +163,7 @@ class GeneratedModule(nn.Module):
                     new.data = old.to(new.device)
                 else:
                     module._buffers[leaf] = old.to(new.device)
+        self._tie_merged()  # the move gave each weight its own tensor: stack them again
         return out
 
     def graph(self, tokens: Tensor) -> Tensor:  # replaced by the generated method

@@ -159,7 +159,10 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_bytes:
             self._flush()
-        self.pending[name] = tensor.detach().contiguous()
+        tensor = tensor.detach().contiguous()
+        if tensor.untyped_storage().nbytes() != nbytes:  # a view (a merged weight's rows): its own storage
+            tensor = tensor.clone()
+        self.pending[name] = tensor
         self.pending_bytes += nbytes
         self.total_bytes += nbytes
 

@@ -374,7 +374,7 @@ def finish(model: ir.Model, g: ExportGraph, lib: k3fn.Library, weights: str, man
     """`trace`'s model (changed in place) at lib's opset with lib's k3 functions, MX payloads and weights as
     asked, each layer kind one function (unless `flat`), axes named and the build described in metadata_props."""
     _convert_opset(model, lib)
-    state = set(g.module.state_dict())
+    state = set(g.module.state_dict()) | {name for name, _ in getattr(g.module, "MERGED", ())}  # + stacked weights
     if weights == "none":
         _weights_as_inputs(model, state)
     if lib.mx == "fp4":

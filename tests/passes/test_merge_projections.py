@@ -1,0 +1,114 @@
+"""merge_projections: the decode graph's projections of one input become one matmul; the weights stay one copy."""
+
+from __future__ import annotations
+
+import operator
+
+import pytest
+import torch
+
+from k3compile.passes.merge_projections import LINEARS
+
+K3 = torch.ops.k3
+
+
+def _projections_by_input(gm) -> dict:
+    """input node -> the weight names of the bias-free linears and linear_glu's reading it (graph order)."""
+    out: dict = {}
+    for n in gm.graph.nodes:
+        if n.op != "call_function" or n.target not in (*LINEARS, K3.linear_glu.default):
+            continue
+        if n.target in LINEARS and len(n.args) == 3 and n.args[2] is not None:
+            continue  # a bias
+        ws = n.args[1:3] if n.target is K3.linear_glu.default else n.args[1:2]
+        if all(getattr(w, "op", None) == "get_attr" for w in ws):
+            out.setdefault(n.args[0], []).extend(w.target for w in ws)
+    return out
+
+
+def test_each_group_is_the_projections_prefill_runs_on_one_input(tiny_spec, tiny_build, record):
+    """Every stacked buffer holds exactly the weights the prefill graph projects one input through, in order,
+    and the decode graph reads none of them apart from the stacked buffer."""
+    gm = tiny_build["decode"].gm
+    merged = gm.meta["merged"]
+    prefill_groups = [ws for ws in _projections_by_input(tiny_build["prefill"].gm).values() if len(ws) > 1]
+    dense = [f"layers.{i}.ffn.gate_proj.weight" for i in tiny_spec.dense_layers]  # a linear_glu alone: kept
+    assert sorted(merged.values()) == sorted(ws for ws in prefill_groups if ws[0] not in dense)
+    stats = record("decode", "merge_projections").statistics
+    assert stats == {"groups": len(merged), "weights_merged": sum(map(len, merged.values()))}
+    layers = tiny_spec.num_layers + sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
+    assert len(merged) == layers  # every token mixer and every MoE layer: one group each
+    read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
+    assert set(merged) <= read and not read & {w for ws in merged.values() for w in ws}
+    for name, ws in merged.items():
+        stacked = gm.get_buffer(name)
+        assert torch.equal(stacked, torch.cat([gm.get_parameter(w) for w in ws]))
+        (linear,) = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name][0].users
+        (split,) = linear.users
+        assert split.args[1] == [gm.get_parameter(w).shape[0] for w in ws]
+
+
+def test_numerics_and_the_other_graphs(record, tiny_build):
+    """Declared numerics-preserving, checked by --verify-numerics; prefill and train graphs are untouched."""
+    assert record("decode", "merge_projections").max_rel_diff <= 1e-5
+    for graph in ("train", "prefill"):
+        assert record(graph, "merge_projections").statistics == {"groups": 0, "weights_merged": 0}
+        assert not tiny_build[graph].gm.meta.get("merged")
+    decode = tiny_build["decode"].gm
+    glus = [n for n in decode.graph.nodes if n.target is K3.situ_glu.default]
+    assert glus and all(a.target is operator.getitem for g in glus for a in g.args[:2])
+
+
+@pytest.fixture(scope="module")
+def inference_class(tmp_path_factory, tiny_spec):
+    import k3compile
+    from k3compile.build import BuildOptions, build
+
+    package, _ = build(tiny_spec, tmp_path_factory.mktemp("merged"), BuildOptions(mode="infer"))
+    return k3compile.load(package).InferenceModel
+
+
+def _views_of_stacked(model) -> None:
+    groups: dict[str, list[str]] = {}
+    for stacked, member in model.MERGED:
+        groups.setdefault(stacked, []).append(member)
+    for stacked, members in groups.items():
+        rows = model.get_buffer(stacked)
+        offset = 0
+        for m in members:
+            p = model.get_parameter(m)
+            assert p.untyped_storage().data_ptr() == rows.untyped_storage().data_ptr()
+            assert p.data_ptr() == rows.data_ptr() + offset * rows.stride(0) * rows.element_size()
+            offset += p.shape[0]
+        assert offset == rows.shape[0]
+
+
+def test_weights_are_views_of_the_stacked_buffer(inference_class):
+    """No weight is held twice, the state dict keeps the weights' names, and loading one into the weights
+    (in place) is what the stacked buffer holds; moves and casts keep the weights tied."""
+    model = inference_class()
+    stacked = {s for s, _ in model.MERGED}
+    assert stacked and not stacked & set(model.state_dict())
+    _views_of_stacked(model)
+    state = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in model.state_dict().items()}
+    fresh = inference_class(device="meta").to_empty(device="cpu")
+    fresh.load_state_dict(state)
+    _views_of_stacked(fresh)
+    for s, member in fresh.MERGED:
+        assert torch.equal(fresh.get_parameter(member), state[member])
+    doubled = fresh.to(torch.float64)
+    _views_of_stacked(doubled)
+    s, member = doubled.MERGED[0]
+    assert doubled.get_buffer(s).dtype == torch.float64
+
+
+def test_decode_matches_the_unmerged_weights(inference_class):
+    """A decode step over the stacked buffer equals the prefill graph's per-weight matmuls (a full forward)."""
+    torch.manual_seed(0)
+    model = inference_class().eval()
+    tokens = torch.randint(0, model.spec.vocab_size, (2, 9))
+    with torch.no_grad():
+        full = model(tokens)
+        _, cache = model.prefill(tokens[:, :8], max_len=16)
+        step, _ = model.decode(tokens[:, 8], cache)
+    torch.testing.assert_close(step[:, 0], full[:, 8], rtol=2e-3, atol=2e-3)
