@@ -92,6 +92,8 @@ class GeneratedModule(nn.Module):
             shape = self._local_shape(name, tuple(shape))
             _put(self, name, torch.zeros(shape, dtype=getattr(torch, dt), device=device), False, persistent)
         self._tie_merged()
+        if self.MERGED:  # load_state_dict(assign=True) gives weights their own tensors: stack them again
+            self.register_load_state_dict_post_hook(lambda module, _: module._tie_merged())
         if device.type != "meta":
             self.reset_parameters()
 

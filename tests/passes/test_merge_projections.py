@@ -96,6 +96,11 @@ def test_weights_are_views_of_the_stacked_buffer(inference_class):
     _views_of_stacked(fresh)
     for s, member in fresh.MERGED:
         assert torch.equal(fresh.get_parameter(member), state[member])
+    assigned = inference_class(device="meta")
+    assigned.load_state_dict(state, assign=True)  # the loaded tensors become the weights: tied again after
+    _views_of_stacked(assigned)
+    for s, member in assigned.MERGED:
+        assert torch.equal(assigned.get_parameter(member), state[member])
     doubled = fresh.to(torch.float64)
     _views_of_stacked(doubled)
     s, member = doubled.MERGED[0]
