@@ -102,14 +102,19 @@ def _shaped(t: Tensor, *shape: int) -> Tensor:
     return t.view(shape) if t.is_contiguous() else t.reshape(shape)
 
 
-def combine_ref(out_ECD: Tensor, weights_TK: Tensor, slots_TK: Tensor) -> Tensor:
+def combine_ref(out_ECD: Tensor, weights_TK: Tensor, slots_TK: Tensor | None) -> Tensor:
     """y_t = sum_k w_tk * out[slot_tk]; dropped choices (slot E*C) contribute zero. Sums in fp32.
 
-    Returns [T, D] in out's dtype.
+    slots None: out holds one row per (token, choice) in that order, [T * K, 1, D] (the decode graph's
+    gathered experts), so no gather is needed. Returns [T, D] in out's dtype.
     """
     e, c, d = out_ECD.shape
-    t, k = slots_TK.shape
     acc = upcast_dtype(out_ECD.dtype)
+    if slots_TK is None:
+        t, k = weights_TK.shape
+        rows = as_dtype(_shaped(out_ECD, t, k, d), acc)
+        return as_dtype(torch.bmm(_shaped(as_dtype(weights_TK, acc), t, 1, k), rows).view(t, d), out_ECD.dtype)
+    t, k = slots_TK.shape
     dtype, device = out_ECD.dtype, out_ECD.device
     zero = cached(("moe_zero_row", d, dtype), out_ECD, lambda: torch.zeros(1, d, dtype=dtype, device=device))
     flat = torch.cat([_shaped(out_ECD, e * c, d), zero])

@@ -7,7 +7,8 @@ an expert a token chose, and drops the statistics (their buffers stay, unused).
 The decode graph computes only the experts each token picked: every (token, choice)
 row runs its own expert, whose stacked weights are gathered by the routing indices
 (`index_select` nodes marked `expert_gather`, which pack_mxfp4 turns into gathers of
-the packed data and scales), and the rows combine with the routing weights.
+the packed data and scales), and the rows, in (token, choice) order, combine with the
+routing weights without a gather (`moe_combine` with no slots).
 """
 
 from __future__ import annotations
@@ -55,9 +56,6 @@ def _gather_experts(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, top
     with g.inserting_before(region[0]):
         flat = g.call_method("flatten", (indices,))
         rows = g.call_method("unsqueeze", (g.call_method("repeat_interleave", (h, top_k), {"dim": 0}), 1))
-        slots = g.call_method("view_as", (g.call_function(torch.arange, (g.call_method("numel", (indices,)),),
-                                                          {"device": g.call_function(getattr, (indices, "device"))}),
-                                          indices))  # fmt: skip
     for w in (a for a in inputs if _leading(a) == num_experts):
         users = [u for u in w.users if u in region]
         source, views = _through_views(w)
@@ -70,7 +68,7 @@ def _gather_experts(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, top
             u.replace_input_with(w, gathered)
     for u in [u for u in buffer.users if u in region]:
         u.replace_input_with(buffer, rows)
-    combine.update_arg(2, slots)
+    combine.update_arg(2, None)  # the rows are in (token, choice) order: no slots to gather by
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:

@@ -51,11 +51,11 @@ def moe_dispatch_op(
 
 
 def _combine_fake(expert_out, weights, slots):
-    return expert_out.new_empty(slots.shape[0], expert_out.shape[-1])
+    return expert_out.new_empty(weights.shape[0], expert_out.shape[-1])
 
 
 @k3_op("moe_combine", fake=_combine_fake, differentiable=("expert_out", "weights"))
-def moe_combine_op(expert_out: Tensor, weights: Tensor, slots: Tensor) -> Tensor:
+def moe_combine_op(expert_out: Tensor, weights: Tensor, slots: Tensor | None) -> Tensor:
     return ref.combine_ref(expert_out, weights, slots)
 
 
@@ -91,8 +91,9 @@ def moe_dispatch(
     return torch.ops.k3.moe_dispatch.default(x, indices, num_experts, cf, backend=backend)
 
 
-def moe_combine(expert_out: Tensor, weights: Tensor, slots: Tensor, *, backend: str = "auto") -> Tensor:
-    """Expert outputs [E, C, D] back to tokens [T, D], weighted by the routing weights [T, K]."""
+def moe_combine(expert_out: Tensor, weights: Tensor, slots: Tensor | None, *, backend: str = "auto") -> Tensor:
+    """Expert outputs [E, C, D] back to tokens [T, D], weighted by the routing weights [T, K]; slots None:
+    one output row per (token, choice), in that order ([T * K, 1, D])."""
     return torch.ops.k3.moe_combine.default(expert_out, weights, slots, backend=backend)
 
 

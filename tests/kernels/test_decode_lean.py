@@ -100,6 +100,7 @@ def _decode_cases():
         ("mx_expert_matmul", k3.mx_expert_matmul.default, (r(4, 1, 128), *gq, 32), 26),
         ("linear_glu", k3.linear_glu.default, (r(1, 1, 256), r(768, 256), r(768, 256), "situ_glu", 4.0, 25.0), 35),
         ("moe_combine", k3.moe_combine.default, (r(4, 1, 128), r(1, 4).abs(), torch.tensor([[0, 1, 2, 3]])), 23),
+        ("moe_combine (no slots)", k3.moe_combine.default, (r(4, 1, 128), r(1, 4).abs(), None), 8),
         (
             "mla_decode_absorbed",
             k3.mla_decode_absorbed.default,

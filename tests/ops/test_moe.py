@@ -139,3 +139,18 @@ def test_symbolic_trace_and_compile_fullgraph():
     compiled.square().sum().backward()
     for a, g in zip([a for a in leaves if a.grad is not None], grads):
         torch.testing.assert_close(a.grad, g)
+
+
+def test_combine_without_slots_is_the_identity_slotted_combine():
+    """slots None (the decode graph's rows in (token, choice) order) equals the combine through the slots
+    0..T*K-1 of the same rows, in fp32 and bf16, with the same gradients."""
+    torch.manual_seed(5)
+    for dtype in (torch.float32, torch.bfloat16):
+        out = torch.randn(T * K, 1, W, dtype=dtype, requires_grad=True)
+        w = torch.rand(T, K, requires_grad=True)
+        identity = torch.arange(T * K).view(T, K)
+        got, want = moe_combine(out, w, None), moe_combine(out, w, identity)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+        g = torch.randn_like(got)
+        torch.testing.assert_close(torch.autograd.grad(got, (out, w), g), torch.autograd.grad(want, (out, w), g))

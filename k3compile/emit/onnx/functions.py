@@ -718,6 +718,15 @@ def _moe(op, k3, mx, lib):
         y = op.ReduceSum(op.Unsqueeze(op.Cast(weights, to=F32), [-1]) * gathered, [1], keepdims=0)
         return op.CastLike(y, expert_out)
 
+    @onnxscript.script(k3, default_opset=op)
+    def moe_combine_ordered(expert_out, weights) -> FLOAT:
+        """k3::moe_combine without slots: expert_out holds one row per (token, choice) in that order,
+        [T * K, 1, D]; y_t = sum_k w_tk out[t K + k], summed in fp32."""
+        rows = op.Reshape(op.Cast(expert_out, to=F32), op.Concat(op.Shape(weights), op.Shape(expert_out, start=-1),
+                                                                  axis=0))
+        y = op.ReduceSum(op.Unsqueeze(op.Cast(weights, to=F32), [-1]) * rows, [1], keepdims=0)
+        return op.CastLike(y, expert_out)
+
     return {
         "route_weights": (None, route_weights),
         "moe_route_sigmoid": ("moe_route", moe_route_sigmoid),
@@ -726,5 +735,6 @@ def _moe(op, k3, mx, lib):
         "linear_route_softmax": ("linear_route", linear_route_softmax),
         "moe_dispatch": ("moe_dispatch", moe_dispatch),
         "moe_combine": ("moe_combine", moe_combine),
+        "moe_combine_ordered": ("moe_combine", moe_combine_ordered),
     }
 

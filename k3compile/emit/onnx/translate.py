@@ -186,6 +186,8 @@ def table(lib: Library) -> dict[Callable, Callable]:
         return f["moe_dispatch"](x, indices, num_experts=num_experts, capacity_factor=capacity_factor)
 
     def moe_combine(expert_out, weights, slots, backend: str = "auto"):
+        if slots is None:
+            return f["moe_combine_ordered"](expert_out, weights)
         return f["moe_combine"](expert_out, weights, slots)
 
     def to_dtype(x, dtype: int, non_blocking: bool = False, copy: bool = False, memory_format=None):

@@ -261,3 +261,10 @@ def test_dispatch_and_combine(lib, capacity_factor):
     out, weights = randn(*want[0].shape, seed=2), torch.rand(13, 3, generator=g)
     got = call(lib, "moe_combine", [out.numpy(), weights.numpy(), got[1]])[0]
     assert rel(got, moe.combine_ref(out, weights, want[1])) < TOL
+
+
+def test_combine_in_token_choice_order(lib):
+    """moe_combine without slots (decode's rows, one per (token, choice)) matches the reference."""
+    out, weights = randn(13 * 3, 1, 5, seed=3), torch.rand(13, 3, generator=torch.Generator().manual_seed(4))
+    got = call(lib, "moe_combine_ordered", [out.numpy(), weights.numpy()])[0]
+    assert rel(got, moe.combine_ref(out, weights, None)) < TOL
