@@ -143,9 +143,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
                 mm.replace_all_uses_with(new)
                 gm.graph.erase_node(mm)
         for gather in [u for u in node.users if _is_gather(u)]:  # dequantise only the gathered experts
-            index = gather.args[2]
+            index = gather.args[1]
             with gm.graph.inserting_before(gather):
-                picked = [gm.graph.call_function(torch.index_select, (t, 0, index)) for t in (d, s)]
+                picked = [gm.graph.call_function(operator.getitem, (t, index)) for t in (d, s)]
                 deq = gm.graph.call_function(K3.mx_dequantize.default, (*picked, element, block, w.dtype))
             gather.replace_all_uses_with(deq)
             gm.graph.erase_node(gather)

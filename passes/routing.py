@@ -6,7 +6,7 @@ Inference dispatches drop-free (capacity = tokens), so a served model never skip
 an expert a token chose, and drops the statistics (their buffers stay, unused).
 The decode graph computes only the experts each token picked: every (token, choice)
 row runs its own expert, whose stacked weights are gathered by the routing indices
-(`index_select` nodes marked `expert_gather`, which pack_mxfp4 turns into gathers of
+(`w[indices]` nodes marked `expert_gather`, which pack_mxfp4 turns into gathers of
 the packed data and scales), and the rows, in (token, choice) order, combine with the
 routing weights without a gather (`moe_combine` with no slots).
 """
@@ -55,12 +55,15 @@ def _gather_experts(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, top
     inputs = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in region and a is not buffer)
     with g.inserting_before(region[0]):
         flat = g.call_method("flatten", (indices,))
-        rows = g.call_method("unsqueeze", (g.call_method("repeat_interleave", (h, top_k), {"dim": 0}), 1))
+        # each token's row once per choice, [T * K, 1, w]: an expanded view reshaped (repeat_interleave's calls / 2)
+        width = h.meta["val"].shape[-1]
+        rows = g.call_method("reshape", (g.call_method("expand", (g.call_method("unsqueeze", (h, 1)), -1, top_k, -1)),
+                                         -1, 1, width))  # fmt: skip
     for w in (a for a in inputs if _leading(a) == num_experts):
         users = [u for u in w.users if u in region]
         source, views = _through_views(w)
         with g.inserting_before(users[0]):
-            gathered = g.call_function(torch.index_select, (source, 0, flat))
+            gathered = g.call_function(operator.getitem, (source, flat))  # w[flat]: fewer calls than index_select
             gathered.meta["expert_gather"] = "the experts each token picked"
             for v in views:  # the weight's views (its transpose) re-applied to the gathered experts
                 gathered = g.call_method(v.target, (gathered, *v.args[1:]), dict(v.kwargs))
