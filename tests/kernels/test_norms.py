@@ -165,3 +165,21 @@ def test_norm_backwards_do_not_recompute(monkeypatch):
     assert torch.autograd.gradcheck(lambda a: l2_norm(a, 1e-6), (x,))
     assert torch.autograd.gradcheck(lambda a, b, c: rms_norm_gate(a, b, c, 1e-5), (x, w, g))
     assert torch.autograd.gradcheck(lambda a, b, c: add_rms_norm(a, b, c, 1e-5), (x, r, w))
+
+
+def test_few_rows_take_the_one_call_norm_and_agree_with_many():
+    """Up to FEW_ROWS rows (a decode step) the statistics come from one vector_norm: the same values as the
+    square-and-sum form many rows take, to fp32 rounding, for RMSNorm, the gated norm and the L2 norm."""
+    from k3compile.kernels import norms
+
+    torch.manual_seed(3)
+    x, w, g = torch.randn(64, 256) * 3, torch.randn(256), torch.randn(64, 256)
+    few = slice(0, norms.FEW_ROWS)
+    assert norms._few_rows(x[few]) and not norms._few_rows(x)
+    pairs = [
+        (norms.rms_norm_ref(x[few], w, 1e-5), norms.rms_norm_ref(x, w, 1e-5)[few]),
+        (norms.rms_norm_gate_ref(x[few], w, g[few], 1e-5), norms.rms_norm_gate_ref(x, w, g, 1e-5)[few]),
+        (norms.l2_norm_ref(x[few], 1e-6), norms.l2_norm_ref(x, 1e-6)[few]),
+    ]
+    for got, want in pairs:
+        torch.testing.assert_close(got, want, rtol=2e-6, atol=1e-7)
