@@ -49,7 +49,7 @@ def test_decode_shape_comments_name_the_routed_rows(tiny_graphs, tiny_spec):
     assert symbols(gm, tiny_spec)[str(EXAMPLE_BATCH * k)] == f"B*{k}"
     functions, _, _ = outline_graph(gm, "decode", tiny_spec)
     moe = next(f for f in functions if f.startswith("def decode_moe("))
-    assert re.search(rf"repeat_interleave\({k}, dim = 0\)  # \[B\*{k}, \d+\]", moe)
+    assert re.search(rf"\.reshape\(-1, 1, \d+\)  # \[B\*{k}, 1, \d+\]", moe)  # a row per (token, choice)
     assert "# [B, 1, " in moe
 
 
