@@ -61,6 +61,7 @@ def _regions(gm: fx.GraphModule) -> dict[tuple[int, str], Region]:
         if key is not None:
             owner[n] = key
             regions.setdefault(key, Region(*key)).nodes.append(n)
+    _absorb_glue(gm, owner, regions)
     for r in regions.values():
         inside = set(r.nodes)
         seen: dict[fx.Node, None] = {}
@@ -71,6 +72,35 @@ def _regions(gm: fx.GraphModule) -> dict[tuple[int, str], Region]:
         r.inputs = list(seen)
         r.outputs = [n for n in r.nodes if any(u not in inside for u in n.users)]
     return {k: r for k, r in regions.items() if r.outputs}
+
+
+def _is_cache_read(n: fx.Node) -> bool:
+    """`caches['<kind>.<layer>']`: one cache tensor looked up in a graph input."""
+    return (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], str)
+            and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")  # fmt: skip
+
+
+def _absorb_glue(gm: fx.GraphModule, owner: dict, regions: dict) -> None:
+    """Move into a sublayer the pure nodes computed from the graph's inputs alone (a cache's dtype, the
+    decode positions' views) that only it uses: its function then takes the cache and positions themselves."""
+    from_inputs: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or (n.op in ("call_function", "call_method") and n not in owner
+                                     and not n.meta.get("depth") and not n.is_impure()
+                                     and all(a in from_inputs for a in n.all_input_nodes)):  # fmt: skip
+            from_inputs.add(n)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    moved = set()
+    for n in reversed(gm.graph.nodes):
+        if n not in from_inputs or n.op == "placeholder" or _is_cache_read(n) or not n.users:
+            continue
+        keys = {owner.get(u) for u in n.users}
+        if len(keys) == 1 and None not in keys:
+            owner[n] = key = keys.pop()
+            regions[key].nodes.append(n)
+            moved.add(key)
+    for key in moved:
+        regions[key].nodes.sort(key=position.__getitem__)
 
 
 def schedule(gm: fx.GraphModule, regions: dict) -> list[fx.Node | Region]:
@@ -155,6 +185,8 @@ def _input_name(node: fx.Node, i: int) -> str:
     """A placeholder name that reads the same in every layer: a cache's kind, else x, x_1, ..."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], str):
         return node.args[1].split(".")[0]
+    if node.op == "placeholder":
+        return node.name
     return "x" if i == 0 else f"x_{i}"
 
 
