@@ -308,7 +308,7 @@ def _join(code: str, freed: list[str], comment: str) -> str:
 
 
 _NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*")  # a variable, not an attribute (`torch.stack` is not `stack`)
-_STACK = re.compile(r"^(\s*)(\w+) = (torch\.stack\(\[[\w, ]*\]\))(  #.*)?$")
+_STACK = re.compile(r"^(\s*)(\w+) = (torch\.stack\((?:\[[\w, ]*\]|\w+)\))(  #.*)?$")
 _LAYER = re.compile(r"^(\s*)(layer_\d+) = (layers\[\d+\])$")
 
 
@@ -425,11 +425,25 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
         names[id(step)] = kinds[body]
         users.setdefault(kinds[body], []).append(step.layer)
     functions = [_function(name, body, signature[name], users[name], graph) for body, name in kinds.items()]
+    from k3compile.emit.loop import NotALoop, derive, rolled, steps_table
+
+    try:
+        loop = derive(gm, steps, names)
+        table = f"{graph.upper()}_STEPS"
+        text, more = rolled(gm, loop, table, OUTLINED_MODULE, names_of)
+    except NotALoop as why:
+        loop = None
+        reason = str(why)
+    if loop is not None:
+        globals_.update(more)
+        text = inline_simple(text)
+        return functions + [steps_table(loop, table)], text, globals_
     top = top_level(gm, steps, names).python_code(root_module="self", verbose=True)
     globals_.update({k: v for k, v in top.globals.items() if not isinstance(v, _Outlined)})
     text = readable(top.src, keep_deletions=True, names_of=names_of).replace(f"{OUTLINED_MODULE}_", "")
     text = inline_simple(unpack_tuples(text))
-    return functions, text, globals_
+    head, _, rest = text.partition("\n")
+    return functions, f"{head}\n    # unrolled, not a loop over the layers: {reason}\n{rest}", globals_
 
 
 def _function(name: str, body: str, what: str, layers: list[int], graph: str) -> str:
