@@ -213,6 +213,8 @@ def derive(gm: fx.GraphModule, steps: list, names: dict[int, str]) -> Loop:
         if n in covered or n not in after:
             continue
         for a in n.all_input_nodes:
+            if a in finals:
+                continue
             if a in inside and not (n is output and a in key_of):
                 raise NotALoop(f"{n.name} reads {a.name} inside a sublayer")
             if a in covered and a not in finals:
@@ -346,7 +348,8 @@ def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], writte
     i, kind, opens, names, layer, y = (_fresh(n, taken) for n in ("i", "kind", "opens", "names", "layer", "y"))
     lines = []
     for j, (name, init) in enumerate(zip(lists, initial)):
-        what = ("the residual stream's values (AttnRes sources; the last one the open block's sum)" if j == 0
+        stream = "the AttnRes sources" + ("" if uniform else "; the last one the open block's sum")
+        what = (f"the residual stream's values ({stream})" if j == 0
                 else f"per value, {_companion_code(loop.companions[j - 1], 'value')[0]}")  # fmt: skip
         lines.append(f"{name} = {init}  # {what}")
     if cached or loop.returns_dict:

@@ -1,0 +1,118 @@
+"""The emitted top levels are loops over the layers, and compute exactly what their bound graphs compute."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+import torch
+from torch import fx
+
+import k3compile
+from k3compile.build import BuildOptions, compile_graphs
+from k3compile.emit.outline import outline_graph
+from k3compile.modules.model import empty_caches
+
+METHODS = {"train": "graph", "prefill": "prefill_graph", "decode": "decode_graph"}
+
+
+@pytest.fixture(scope="module")
+def cpu_graphs(tiny_spec):
+    """k3-tiny's three bound graphs with real (CPU) weights, compiled as the build compiles them."""
+    return compile_graphs(tiny_spec, ("train", "infer"), BuildOptions(device="cpu"))
+
+
+def _methods(src: str) -> dict[str, ast.FunctionDef]:
+    tree = ast.parse(src)
+    return {f.name: f for c in tree.body if isinstance(c, ast.ClassDef) for f in c.body if isinstance(f, ast.FunctionDef)}
+
+
+def test_each_top_level_is_a_loop_calling_every_sublayer_function_once(tiny_tree):
+    src = tiny_tree["model.py"].decode()
+    tree = ast.parse(src)
+    kinds = [f.name for f in tree.body if isinstance(f, ast.FunctionDef)]
+    assert len(kinds) == len(set(kinds)) >= 8  # train/prefill/decode x kda, mla, moe, dense ffn
+    calls = [n.func.id for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+    assert {k: calls.count(k) for k in kinds} == {k: 1 for k in kinds}
+    methods = _methods(src)
+    for graph, name in METHODS.items():
+        loops = [n for n in ast.walk(methods[name]) if isinstance(n, ast.For)]
+        assert len(loops) == 1, name
+        assert ast.unparse(loops[0].iter) == f"{graph.upper()}_STEPS"
+        called = {n.func.id for n in ast.walk(loops[0]) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+        assert called == {k for k in kinds if k.startswith(f"{graph}_")}
+        assert "self.layers[i]" in ast.unparse(loops[0])
+    assert "unrolled" not in src and "getattr(self.layers" not in src
+    assert len(src.splitlines()) <= 800
+
+
+def test_step_tables_name_each_layers_caches(tiny_build, tiny_spec):
+    model = k3compile.load(tiny_build[0]).model
+    for table in (model.PREFILL_STEPS, model.DECODE_STEPS):
+        assert [row[0] for row in table] == [i for i in range(tiny_spec.num_layers) for _ in range(2)]
+        for k, row in enumerate(table):
+            i, names = row[0], row[-1]
+            kinds = {n.rpartition(".")[0] for n in names}
+            if k % 2:  # the FFN sublayer holds no cache
+                assert names == ()
+            else:
+                assert kinds == ({"mla_cache"} if tiny_spec.mixers[i] == "M" else
+                                 {"kda_state", "kda_conv_q", "kda_conv_k", "kda_conv_v"})  # fmt: skip
+                assert all(n.endswith(f".{i}") for n in names)
+    assert [row[:2] for row in model.TRAIN_STEPS] == [row[:2] for row in model.PREFILL_STEPS]
+
+
+def _same(a, b, what):
+    if isinstance(a, dict):
+        assert list(a) == list(b), what
+        for k in a:
+            _same(a[k], b[k], f"{what}[{k}]")
+    elif isinstance(a, (tuple, list)):
+        assert len(a) == len(b), what
+        for k, (x, y) in enumerate(zip(a, b)):
+            _same(x, y, f"{what}[{k}]")
+    else:
+        assert torch.equal(a, b), what
+
+
+@pytest.mark.parametrize("graph", ["train", "prefill", "decode"])
+def test_the_loop_computes_exactly_the_graph(tiny_build, tiny_spec, cpu_graphs, graph):
+    """Same weights: the emitted method's outputs and updated buffers equal the fx interpreter's, bit for bit."""
+    gm = cpu_graphs[graph].gm
+    pkg = k3compile.load(tiny_build[0])
+    model = (pkg.Model if graph == "train" else pkg.InferenceModel)()
+    tensors = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            t.copy_(tensors[name])
+    before = {k: v.clone() for k, v in tensors.items()}
+    gen = torch.Generator().manual_seed(0)
+    batch, tokens = (2, 1) if graph == "decode" else (2, 13)
+    ids = torch.randint(0, tiny_spec.vocab_size, (batch, tokens), generator=gen)
+    caches = empty_caches(tiny_spec, batch, 24, "cpu", torch.float32)
+    for t in caches.values():
+        t.normal_(generator=gen)
+    args = {"train": (ids,), "prefill": (ids, caches),
+            "decode": (ids, torch.tensor([5, 11]), caches)}[graph]  # fmt: skip
+    clone = lambda a: {k: v.clone() for k, v in a.items()} if isinstance(a, dict) else a.clone()  # noqa: E731
+    with torch.no_grad():
+        expected = fx.Interpreter(gm).run(*[clone(a) for a in args])
+        after = {k: v.clone() for k, v in gm.named_buffers()}
+        for k, v in tensors.items():
+            v.copy_(before[k])
+        got = getattr(model, METHODS[graph])(*[clone(a) for a in args])
+    _same(got, expected, graph)
+    _same(dict(model.named_buffers()), after, f"{graph} buffers")  # balancing statistics, selection bias
+
+
+def test_a_graph_the_loop_cannot_express_stays_unrolled(tiny_spec):
+    """The final mix reading a value that a later layer replaced (the first block's partial sum): no list holds it."""
+    gm = compile_graphs(tiny_spec, ("infer",), BuildOptions(device="meta"))["decode"].gm
+    stacks = [n for n in gm.graph.nodes if n.target is torch.stack]
+    final, early = stacks[-1], stacks[1]  # the second sublayer reads the first's output as the open block
+    partial = early.args[0][-1]
+    final.args = ([*final.args[0], partial],)
+    _, top, _ = outline_graph(gm, "decode", tiny_spec)
+    reason = next(line for line in top.splitlines() if "# unrolled, not a loop over the layers: " in line)
+    assert f"reads {partial.name}" in reason
+    assert "for " not in top
