@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import fx
 
+from k3compile.emit.codegen import _ranges, _wrapped
 from k3compile.emit.outline import Region, _is_cache_read, readable
 
 _CACHE_KEY = re.compile(r"^([A-Za-z_]\w*)\.(\d+)$")
@@ -83,13 +84,13 @@ def _is_stack(n: fx.Node) -> bool:
             and isinstance(n.args[0], (list, tuple)))  # fmt: skip
 
 
-def _output_dict(output: fx.Node) -> dict:
-    """The graph output's dict of cache tensors ({} when it returns none)."""
+def _output_dict(output: fx.Node, none: dict | None = None) -> dict | None:
+    """The graph output's dict of cache tensors (`none` when it returns none)."""
     value = output.args[0]
     dicts = [v for v in (value if isinstance(value, tuple) else (value,)) if isinstance(v, dict)]
     if len(dicts) > 1:
         raise NotALoop("the graph returns several dicts")
-    return dicts[0] if dicts else {}
+    return dicts[0] if dicts else none
 
 
 def derive(gm: fx.GraphModule, steps: list, names: dict[int, str]) -> Loop:
@@ -99,7 +100,7 @@ def derive(gm: fx.GraphModule, steps: list, names: dict[int, str]) -> Loop:
         raise NotALoop("the graph has no sublayers")
     top = [s for s in steps if isinstance(s, fx.Node)]
     output = top[-1]
-    returned = _output_dict(output)
+    returned = _output_dict(output, {})
     key_of = {v: k for k, v in returned.items()}
     if len(key_of) != len(returned):
         raise NotALoop("one tensor is returned under two cache names")
@@ -114,8 +115,8 @@ def derive(gm: fx.GraphModule, steps: list, names: dict[int, str]) -> Loop:
     if not stacks:
         raise NotALoop("the first sublayer reads no stack of residual values")
     lists = [list(s.args[0]) for s in stacks]
-    companions, values = [], None
-    for k, lst in enumerate(lists):
+    companions, values = [], None  # (list, the list it is a companion of, template); the values' list
+    for k, lst in enumerate(lists):  # a companion list holds one op of the same kind per element of another
         for j, other in enumerate(lists):
             if j != k and len(other) == len(lst) and all(c.op == "call_function" and c.all_input_nodes == [v]
                                                          for c, v in zip(lst, other)):  # fmt: skip
@@ -221,12 +222,14 @@ def derive(gm: fx.GraphModule, steps: list, names: dict[int, str]) -> Loop:
                 raise NotALoop(f"{n.name} reads {a.name}, an intermediate residual value")
         epilogue.append(n)
     prologue = [n for n in before if n not in covered and n is not output]
-    for n in prologue:
+    if output not in epilogue:
+        raise NotALoop("the graph's output does not depend on its layers")
+    for n in prologue + epilogue[:-1]:  # these move before or after every sublayer: they must be pure
         if n.op != "placeholder" and n.is_impure():
             raise NotALoop(f"{n.name} has side effects outside the sublayers")
     loop = Loop(list(kinds.values()), plan, initial, templates, covered, state, prologue, epilogue,
                 caches_node, [v for v in returned.values()])  # fmt: skip
-    loop.returns_dict = any(isinstance(v, dict) for v in (output.args[0] if isinstance(output.args[0], tuple) else (output.args[0],)))
+    loop.returns_dict = _output_dict(output, None) is not None
     loop.inputs = list(dict.fromkeys(a[1] for k in loop.kinds for a in k.args if a[0] == "input"))
     return loop
 
@@ -317,13 +320,11 @@ def _fresh(name: str, taken: set[str]) -> str:
 
 def steps_table(loop: Loop, table: str) -> str:
     """`<TABLE> = layer_steps(...)`: per step (layer, kind[, opens a new value]), per kind its cache bases."""
-    from k3compile.emit.codegen import _ranges, _wrapped
-
     uniform = len({opens for _, _, opens in loop.steps}) == 1
     rows = tuple((i, k) if uniform else (i, k, int(opens)) for i, k, opens in loop.steps)
     columns = "layer, sublayer kind" + ("" if uniform else ", 1 where its output opens a new residual value")
     cached = any(k.caches() for k in loop.kinds)
-    text = f"# {table}: per step ({columns})" + (", then per kind the caches it reads and writes" if cached else "") + "\n"
+    text = f"# {table}: per step ({columns})" + (", then per kind the caches it reads and writes" * cached) + "\n"
     if not cached:
         return text + f"{table} = {_wrapped(rows, '')}\n"
     kinds = "".join(f"        {k.caches()!r},  # {j}: {k.function}, layers {_ranges(k.layers)}\n"
@@ -334,8 +335,6 @@ def steps_table(loop: Loop, table: str) -> str:
 def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], written: str, indent: str,
               taken: set[str]) -> tuple[str, dict]:  # fmt: skip
     """The loop's source in place of the marker line, and the globals the companion ops need."""
-    from k3compile.emit.codegen import _ranges
-
     call = ast.parse(marker_line.split(" = ", 1)[1].split(";  ")[0].split("  #")[0].strip()).body[0].value
     sources = [ast.unparse(a) for a in call.args]
     initial = sources[: len(loop.initial)]
@@ -359,9 +358,11 @@ def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], writte
     lines.append(f"    {layer} = self.layers[{i}]")
     globals_: dict = {}
     single = len(loop.kinds) == 1
+    temps: dict[str, str] = {}  # cache base -> the local holding a step's new tensor of it
     for k, spec in enumerate(loop.kinds):
         bases = spec.caches()
-        temps = {b: _fresh(b if b.isidentifier() else f"cache_{m}", taken) for m, b in enumerate(bases)}
+        for b in bases:
+            temps.setdefault(b, _fresh(b if b.isidentifier() else "cache", taken))
         args = [layer]
         for role, what in spec.args:
             if role == "stack":
@@ -375,7 +376,8 @@ def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], writte
         pad = "    " if single else "        "
         if not single:
             branch = "if" if k == 0 else "elif" if k + 1 < len(loop.kinds) else "else"
-            lines.append(f"    {branch}{f' {kind} == {k}' if branch != 'else' else ''}:  # layers {_ranges(spec.layers)}")
+            test = f" {kind} == {k}" if branch != "else" else ""
+            lines.append(f"    {branch}{test}:  # layers {_ranges(spec.layers)}")
         lines.append(f"{pad}{', '.join(outs)} = {spec.function}({', '.join(args)})")
         if spec.writes:
             targets = ", ".join(f"{written}[{names}[{bases.index(b)}]]" for _, b in spec.writes)

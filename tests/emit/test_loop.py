@@ -24,7 +24,8 @@ def cpu_graphs(tiny_spec):
 
 def _methods(src: str) -> dict[str, ast.FunctionDef]:
     tree = ast.parse(src)
-    return {f.name: f for c in tree.body if isinstance(c, ast.ClassDef) for f in c.body if isinstance(f, ast.FunctionDef)}
+    classes = [c for c in tree.body if isinstance(c, ast.ClassDef)]
+    return {f.name: f for c in classes for f in c.body if isinstance(f, ast.FunctionDef)}
 
 
 def test_each_top_level_is_a_loop_calling_every_sublayer_function_once(tiny_tree):
