@@ -51,12 +51,10 @@ class Loop:
     steps: list[tuple[int, int, bool]]  # (layer, kind, whether its output opens a new value)
     initial: list[list[fx.Node]]  # per list: its nodes before the first step (values first, then companions)
     companions: list[tuple]  # per companion list: (target, args, kwargs) with the value as _VALUE
-    covered: set[fx.Node]  # top-level nodes the loop computes
     final: list[list[fx.Node]]  # the lists after the last step
     prologue: list[fx.Node]  # top-level nodes before the loop, in graph order
     epilogue: list[fx.Node]  # top-level nodes after it (the output last)
     caches: fx.Node | None  # the placeholder the caches are read from
-    written: list[fx.Node]  # the outputs in the graph output's dict, in its order
     inputs: list[fx.Node] = field(default_factory=list)  # prologue nodes the steps read
     returns_dict: bool = False  # the graph returns its caches as a dict
 
@@ -65,6 +63,7 @@ _VALUE = "<value>"
 
 
 def _template(node: fx.Node, value: fx.Node) -> tuple:
+    """(target, args, kwargs) of `node` with `value` as _VALUE: equal for one op applied to different values."""
     def sub(a):
         return _VALUE if a is value else a
 
@@ -72,6 +71,7 @@ def _template(node: fx.Node, value: fx.Node) -> tuple:
 
 
 def _companion_of(value: fx.Node, template: tuple) -> fx.Node:
+    """The one node applying the companion op `template` to `value`."""
     found = [u for u in value.users if u.op == "call_function" and u.all_input_nodes == [value]
              and _template(u, value) == template]  # fmt: skip
     if len(found) != 1:
@@ -93,7 +93,7 @@ def _output_dict(output: fx.Node, none: dict | None = None) -> dict | None:
     return dicts[0] if dicts else none
 
 
-def derive(gm: fx.GraphModule, steps: list, names: dict[int, str]) -> Loop:
+def derive(steps: list, names: dict[int, str]) -> Loop:
     """The loop over the schedule's sublayer steps that computes the graph's top level, or NotALoop."""
     regions = [s for s in steps if isinstance(s, Region)]
     if not regions:
@@ -227,8 +227,7 @@ def derive(gm: fx.GraphModule, steps: list, names: dict[int, str]) -> Loop:
     for n in prologue + epilogue[:-1]:  # these move before or after every sublayer: they must be pure
         if n.op != "placeholder" and n.is_impure():
             raise NotALoop(f"{n.name} has side effects outside the sublayers")
-    loop = Loop(list(kinds.values()), plan, initial, templates, covered, state, prologue, epilogue,
-                caches_node, [v for v in returned.values()])  # fmt: skip
+    loop = Loop(list(kinds.values()), plan, initial, templates, state, prologue, epilogue, caches_node)
     loop.returns_dict = _output_dict(output, None) is not None
     loop.inputs = list(dict.fromkeys(a[1] for k in loop.kinds for a in k.args if a[0] == "input"))
     return loop
@@ -248,13 +247,18 @@ class _Marker:
         raise RuntimeError("the loop marker is emitted code, not callable here")
 
 
-def top_graph(gm: fx.GraphModule, loop: Loop, module: str) -> tuple[fx.Graph, fx.Node, list[fx.Node]]:
+def _loop_inputs(loop: Loop) -> list[fx.Node]:
+    """The prologue nodes the loop body reads: the steps' inputs, then the caches' placeholder."""
+    return loop.inputs + ([loop.caches] if loop.caches is not None and loop.caches not in loop.inputs else [])
+
+
+def top_graph(loop: Loop, module: str) -> tuple[fx.Graph, fx.Node]:
     """Prologue, one marker call standing for the loop, then the epilogue reading the loop's lists."""
     g = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
     for n in loop.prologue:
         env[n] = g.node_copy(n, env.__getitem__)
-    extra = loop.inputs + ([loop.caches] if loop.caches is not None and loop.caches not in loop.inputs else [])
+    extra = _loop_inputs(loop)
     marker = g.create_node("call_function", _Marker(module),
                            (*[[env[n] for n in lst] for lst in loop.initial], *[env[n] for n in extra]),
                            name="loop")  # fmt: skip
@@ -288,7 +292,7 @@ def top_graph(gm: fx.GraphModule, loop: Loop, module: str) -> tuple[fx.Graph, fx
             env[n].meta = dict(n.meta)
             continue
         env[n] = g.node_copy(n, read)
-    return g, marker, extra
+    return g, marker
 
 
 def _op_name(target) -> str:
@@ -324,7 +328,8 @@ def steps_table(loop: Loop, table: str) -> str:
     rows = tuple((i, k) if uniform else (i, k, int(opens)) for i, k, opens in loop.steps)
     columns = "layer, sublayer kind" + ("" if uniform else ", 1 where its output opens a new residual value")
     cached = any(k.caches() for k in loop.kinds)
-    text = f"# {table}: per step ({columns})" + (", then per kind the caches it reads and writes" * cached) + "\n"
+    text = f"# {table}: per step ({columns})\n"
+    text += "# and per kind the caches it reads and writes (layer_steps adds each step's cache names)\n" * cached
     if not cached:
         return text + f"{table} = {_wrapped(rows, '')}\n"
     kinds = "".join(f"        {k.caches()!r},  # {j}: {k.function}, layers {_ranges(k.layers)}\n"
@@ -339,8 +344,7 @@ def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], writte
     sources = [ast.unparse(a) for a in call.args]
     initial = sources[: len(loop.initial)]
     extra = sources[len(loop.initial) :]
-    inputs = loop.inputs + ([loop.caches] if loop.caches is not None and loop.caches not in loop.inputs else [])
-    where = dict(zip(inputs, extra))
+    where = dict(zip(_loop_inputs(loop), extra))
     uniform = len({opens for _, _, opens in loop.steps}) == 1
     opens_all = loop.steps[0][2]
     cached = any(k.caches() for k in loop.kinds)
@@ -403,9 +407,9 @@ def names_in(text: str) -> set[str]:
     return set(re.findall(r"[A-Za-z_]\w*", text))
 
 
-def rolled(gm: fx.GraphModule, loop: Loop, table: str, module: str, names_of: dict) -> tuple[str, dict]:
+def rolled(loop: Loop, table: str, module: str, names_of: dict) -> tuple[str, dict]:
     """The top level's source as `def forward(self, ...)` with the loop in it, and the globals it refers to."""
-    g, marker, _ = top_graph(gm, loop, module)
+    g, marker = top_graph(loop, module)
     code = g.python_code(root_module="self", verbose=True)
     text = readable(code.src, keep_deletions=True, names_of=names_of).replace(f"{module}_", "")
     lines = text.splitlines()

@@ -1,11 +1,13 @@
-"""Outlining: a bound graph as one function per distinct sublayer kind, called from a short top level.
+"""Outlining: a bound graph as one function per distinct sublayer kind, called from a loop over the layers.
 
 Each node belongs to at most one sublayer: `layers.<i>.attn` (its depth site, pre-norm and token mixer)
 or `layers.<i>.ffn` (depth site, pre-norm, MoE or dense FFN), seeded by the parameters it reads and
 grown along the data flow; the depth mixing between sublayers (sums and stacks the attn_res pass made)
-stays at the top level. Sublayers whose code is the same up to their parameters' layer are one kind,
-emitted once as `def <kind>(layer, ...)` and called with `self.layers[i]`. A sublayer that cannot be
-cut out as one call (its region is not convex in the data flow) stays inline.
+stays at the top level, while pure glue computed from the graph's inputs alone (a cache's dtype, views of
+the decode positions) joins the one sublayer that uses it. Sublayers whose code is the same up to their parameters' layer are one kind,
+emitted once as `def <kind>(layer, ...)` and called with `self.layers[i]` from the loop of
+`k3compile.emit.loop` (or, for a graph that is not such a loop, from an unrolled top level). A sublayer
+that cannot be cut out as one call (its region is not convex in the data flow) stays inline.
 """
 
 from __future__ import annotations
@@ -427,17 +429,14 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
     functions = [_function(name, body, signature[name], users[name], graph) for body, name in kinds.items()]
     from k3compile.emit.loop import NotALoop, derive, rolled, steps_table
 
+    table = f"{graph.upper()}_STEPS"  # the loop's steps, a module-level table after the functions
     try:
-        loop = derive(gm, steps, names)
-        table = f"{graph.upper()}_STEPS"
-        text, more = rolled(gm, loop, table, OUTLINED_MODULE, names_of)
-    except NotALoop as why:
-        loop = None
-        reason = str(why)
-    if loop is not None:
+        loop = derive(steps, names)
+        text, more = rolled(loop, table, OUTLINED_MODULE, names_of)
         globals_.update(more)
-        text = inline_simple(text)
-        return functions + [steps_table(loop, table)], text, globals_
+        return functions + [steps_table(loop, table)], inline_simple(text), globals_
+    except NotALoop as why:
+        reason = " ".join(str(why).split())  # one comment line
     top = top_level(gm, steps, names).python_code(root_module="self", verbose=True)
     globals_.update({k: v for k, v in top.globals.items() if not isinstance(v, _Outlined)})
     text = readable(top.src, keep_deletions=True, names_of=names_of).replace(f"{OUTLINED_MODULE}_", "")

@@ -117,3 +117,20 @@ def test_a_graph_the_loop_cannot_express_stays_unrolled(tiny_spec):
     reason = next(line for line in top.splitlines() if "# unrolled, not a loop over the layers: " in line)
     assert f"reads {partial.name}" in reason
     assert "for " not in top
+
+
+@pytest.mark.parametrize(("variant", "loops"), [("all-mla", True), ("attn-res-full", True), ("no-attn-res", False)])
+def test_variants_loop_where_their_wiring_is_one(tiny_path, variant, loops):
+    """Full AttnRes opens a value at every step (no block column); plain residuals, whose fused add_rms_norm
+    joins each sublayer's output with the next one's pre-norm, keep the unrolled top level and say why."""
+    from k3compile.spec.load import load_spec
+
+    spec = load_spec(tiny_path.parent / "ablations" / f"{variant}.yaml")
+    gm = compile_graphs(spec, ("infer",), BuildOptions(device="meta"))["decode"].gm
+    functions, top, _ = outline_graph(gm, "decode", spec)
+    assert ("for i, kind" in top) == loops
+    assert ("# unrolled, not a loop over the layers: " in top) != loops
+    if variant == "attn-res-full":
+        assert "for i, kind, names in DECODE_STEPS:" in top and "pop()" not in top
+    if loops:
+        assert functions[-1].startswith("# DECODE_STEPS: per step")
