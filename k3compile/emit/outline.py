@@ -59,6 +59,10 @@ def _regions(gm: fx.GraphModule) -> dict[tuple[int, str], Region]:
             key = None if where is None else where[:2]
         else:
             keys = {owner[a] for a in n.all_input_nodes if a in owner}
+            if len(keys) > 1:  # joins sublayers: it belongs to the one whose weights it reads (a fused next pre-norm)
+                keys = {owner[a] for a in n.all_input_nodes if a in owner and a.op == "get_attr"}
+            if any(a.op == "get_attr" and a not in owner for a in n.all_input_nodes):
+                keys = set()  # reads a weight outside the layers (the final norm): the top level's
             key = keys.pop() if len(keys) == 1 else None
         if key is not None:
             owner[n] = key
