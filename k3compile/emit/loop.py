@@ -4,6 +4,8 @@ The loop carries the residual stream as a list of values (the AttnRes sources; t
 block's sum) and, per companion op the graph applies to every value (`rms_inv`), the list of their
 results. Each step calls its sublayer kind's function on `self.layers[i]` with stacks of those lists,
 its caches and the graph's inputs; its output either opens a new value or is added to the open one.
+Where sublayers pass their values on directly (plain residuals: the running sum and the last output,
+which the next sublayer's fused add_rms_norm joins), the loop carries them in numbered slots instead.
 `derive` matches every top-level node to that reading and raises NotALoop where the graph differs
 (the emitter then keeps the top level unrolled): the emitted loop computes exactly the graph's nodes.
 """
@@ -37,6 +39,7 @@ class Kind:
     args: tuple  # per function input: ("stack", list index) | ("cache", base) | ("input", node)
     residual: int  # which output continues the residual stream
     writes: tuple  # (output index, cache base) in the graph output's order
+    slots_out: tuple = ()  # the slot form: (output index, slot) per stream output
     layers: list[int] = field(default_factory=list)
 
     def caches(self) -> tuple[str, ...]:
@@ -56,6 +59,7 @@ class Loop:
     epilogue: list[fx.Node]  # top-level nodes after it (the output last)
     caches: fx.Node | None  # the placeholder the caches are read from
     inputs: list[fx.Node] = field(default_factory=list)  # prologue nodes the steps read
+    slots: bool = False  # the slot form: `final[0]` holds each slot's last value (None: unused at the start)
     returns_dict: bool = False  # the graph returns its caches as a dict
 
 
@@ -113,7 +117,7 @@ def derive(steps: list, names: dict[int, str]) -> Loop:
     first = regions[0]
     stacks = [a for a in first.inputs if _is_stack(a)]
     if not stacks:
-        raise NotALoop("the first sublayer reads no stack of residual values")
+        return _derive_slots(steps, names, regions, top, output, returned, key_of, inside, after, before)
     lists = [list(s.args[0]) for s in stacks]
     companions, values = [], None  # (list, the list it is a companion of, template); the values' list
     for k, lst in enumerate(lists):  # a companion list holds one op of the same kind per element of another
@@ -148,13 +152,8 @@ def derive(steps: list, names: dict[int, str]) -> Loop:
                     raise NotALoop(f"{a.name} is not a stack of the residual values read by one sublayer")
                 args.append(("stack", match[0]))
             elif _is_cache_read(a):
-                m = _CACHE_KEY.match(a.args[1])
-                if m is None or int(m.group(2)) != r.layer or set(a.users) - set(r.nodes):
-                    raise NotALoop(f"cache {a.args[1]!r} is not layer {r.layer}'s own")
-                if caches_node not in (None, a.args[0]):
-                    raise NotALoop("caches are read from two inputs")
+                args.append(("cache", _cache_arg(a, r, caches_node)))
                 caches_node = a.args[0]
-                args.append(("cache", m.group(1)))
             elif a not in after and a not in inside and a not in covered:
                 args.append(("input", a))
             else:
@@ -203,12 +202,98 @@ def derive(steps: list, names: dict[int, str]) -> Loop:
             else:
                 state[j][-1] = c
         plan.append((r.layer, list(kinds).index(kind.function), opens))
+    _check_returned(regions, returned, written_by)
+    epilogue = _epilogue(top, output, inside, after, covered, {n for lst in state for n in lst}, key_of)
+    prologue = _prologue(before, covered, output, epilogue)
+    loop = Loop(list(kinds.values()), plan, initial, templates, state, prologue, epilogue, caches_node)
+    return _finish(loop, output)
+
+
+def _cache_arg(a: fx.Node, r: Region, caches_node: fx.Node | None) -> str:
+    """The cache base of layer r's read `a`, checking it is that layer's own and read from one input."""
+    m = _CACHE_KEY.match(a.args[1])
+    if m is None or int(m.group(2)) != r.layer or set(a.users) - set(r.nodes):
+        raise NotALoop(f"cache {a.args[1]!r} is not layer {r.layer}'s own")
+    if caches_node not in (None, a.args[0]):
+        raise NotALoop("caches are read from two inputs")
+    return m.group(1)
+
+
+def _derive_slots(steps, names, regions, top, output, returned, key_of, inside, after, before) -> Loop:
+    """The slot form, for sublayers that pass their values on directly (plain residuals: the sum and the last
+    output, which the next sublayer's fused add_rms_norm joins): each value the stream carries from one step
+    to a later one, or to the tail, sits in a numbered slot; a step's outputs fill the slots freed by then."""
+    last: dict[fx.Node, int] = {}  # stream value -> the last step reading it (len(regions): the tail)
+    for k, r in enumerate(regions):
+        for a in r.inputs:
+            last[a] = k
+    for n in top:
+        if n in after:
+            for a in n.all_input_nodes:
+                if not (n is output and a in key_of):
+                    last[a] = len(regions)
+    seeds = [a for a in regions[0].inputs if a.op != "placeholder" and not _is_cache_read(a) and a not in inside]
+    if not seeds:
+        raise NotALoop("the first sublayer reads neither a stack of residual values nor a value to carry")
+    slot: list[fx.Node | None] = list(seeds)
+    initial = list(seeds)
+    covered: set[fx.Node] = set()
+    kinds: dict[str, Kind] = {}
+    plan: list[tuple[int, int, bool]] = []
+    caches_node = None
+    written_by: list[fx.Node] = []
+    for k, r in enumerate(regions):
+        args = []
+        for a in r.inputs:
+            if _is_cache_read(a):
+                args.append(("cache", _cache_arg(a, r, caches_node)))
+                caches_node = a.args[0]
+                covered.add(a)
+            elif a in slot:
+                args.append(("slot", slot.index(a)))
+            elif a not in after and a not in inside:
+                args.append(("input", a))
+            else:
+                raise NotALoop(f"layer {r.layer}'s {r.part} reads {a.name}, which the loop does not carry")
+        slot = [v if v is not None and last.get(v, -1) > k else None for v in slot]
+        writes, outs = [], []
+        for q, o in enumerate(r.outputs):
+            if o in key_of:
+                m = _CACHE_KEY.match(key_of[o])
+                if m is None or int(m.group(2)) != r.layer or set(o.users) - {output} - set(r.nodes):
+                    raise NotALoop(f"layer {r.layer}'s {r.part} returns {o.name} other than as its own cache")
+                writes.append((q, m.group(1)))
+                written_by.append(o)
+                continue
+            free = slot.index(None) if None in slot else len(slot)
+            slot[free:free + 1] = [o]
+            outs.append((q, free))
+        writes.sort(key=lambda w: list(returned).index(f"{w[1]}.{r.layer}"))
+        kind = Kind(names[id(r)], tuple(args), -1, tuple(writes), tuple(outs))
+        known = kinds.setdefault(kind.function, kind)
+        if (known.args, known.writes, known.slots_out) != (kind.args, kind.writes, kind.slots_out):
+            raise NotALoop(f"the {kind.function} steps are wired differently (layer {r.layer})")
+        known.layers.append(r.layer)
+        plan.append((r.layer, list(kinds).index(kind.function), True))
+    _check_returned(regions, returned, written_by)
+    epilogue = _epilogue(top, output, inside, after, covered, {v for v in slot if v is not None}, key_of)
+    prologue = _prologue(before, covered, output, epilogue)
+    initial += [None] * (len(slot) - len(initial))
+    loop = Loop(list(kinds.values()), plan, [initial], [], [slot], prologue, epilogue, caches_node)
+    loop.slots = True
+    return _finish(loop, output)
+
+
+def _check_returned(regions: list, returned: dict, written_by: list) -> None:
     if list(returned.values()) != [v for v in returned.values() if v in written_by] or len(returned) != len(written_by):
         raise NotALoop("the graph returns caches the sublayers did not write")
     order_in_output = [next(k for k, r in enumerate(regions) if v in r.outputs) for v in returned.values()]
     if order_in_output != sorted(order_in_output):
         raise NotALoop("the returned caches are not in the order of the sublayers")
-    finals = {n for lst in state for n in lst}
+
+
+def _epilogue(top, output, inside, after, covered, finals, key_of) -> list[fx.Node]:
+    """The top-level nodes after the loop, the output last: they may read only the values the loop ends with."""
     epilogue = []
     for n in top:
         if n in covered or n not in after:
@@ -218,16 +303,23 @@ def derive(steps: list, names: dict[int, str]) -> Loop:
                 continue
             if a in inside and not (n is output and a in key_of):
                 raise NotALoop(f"{n.name} reads {a.name} inside a sublayer")
-            if a in covered and a not in finals:
+            if a in covered:
                 raise NotALoop(f"{n.name} reads {a.name}, an intermediate residual value")
         epilogue.append(n)
-    prologue = [n for n in before if n not in covered and n is not output]
     if output not in epilogue:
         raise NotALoop("the graph's output does not depend on its layers")
+    return epilogue
+
+
+def _prologue(before, covered, output, epilogue) -> list[fx.Node]:
+    prologue = [n for n in before if n not in covered and n is not output]
     for n in prologue + epilogue[:-1]:  # these move before or after every sublayer: they must be pure
         if n.op != "placeholder" and n.is_impure():
             raise NotALoop(f"{n.name} has side effects outside the sublayers")
-    loop = Loop(list(kinds.values()), plan, initial, templates, state, prologue, epilogue, caches_node)
+    return prologue
+
+
+def _finish(loop: Loop, output: fx.Node) -> Loop:
     loop.returns_dict = _output_dict(output, None) is not None
     loop.inputs = list(dict.fromkeys(a[1] for k in loop.kinds for a in k.args if a[0] == "input"))
     return loop
@@ -259,16 +351,19 @@ def top_graph(loop: Loop, module: str) -> tuple[fx.Graph, fx.Node]:
     for n in loop.prologue:
         env[n] = g.node_copy(n, env.__getitem__)
     extra = _loop_inputs(loop)
-    marker = g.create_node("call_function", _Marker(module),
-                           (*[[env[n] for n in lst] for lst in loop.initial], *[env[n] for n in extra]),
-                           name="loop")  # fmt: skip
-    base = "sources"
-    outs = []
-    for j, t in enumerate(["values", *loop.companions]):
-        label = base if j == 0 else f"{base}_{_op_name(t[0])}"
-        outs.append(g.create_node("call_function", operator.getitem, (marker, j), name=label))
+    if loop.slots:
+        initial = [None if n is None else env[n] for n in loop.initial[0]]
+        labels = [f"stream_{j}" for j in range(len(initial))]
+    else:
+        initial = [[env[n] for n in lst] for lst in loop.initial]
+        labels = ["sources"] + [f"sources_{_op_name(t[0])}" for t in loop.companions]
+    marker = g.create_node("call_function", _Marker(module), (*initial, *[env[n] for n in extra]), name="loop")
+    outs = [g.create_node("call_function", operator.getitem, (marker, j), name=label) for j, label in enumerate(labels)]
     written = g.create_node("call_function", operator.getitem, (marker, len(outs)), name="written")
-    index = {n: (j, p - len(lst)) for j, lst in enumerate(loop.final) for p, n in enumerate(lst)}
+    if loop.slots:  # a slot's last value is the slot itself
+        index = {n: (j, None) for j, n in enumerate(loop.final[0]) if n is not None}
+    else:  # a list's element by its place from the end
+        index = {n: (j, p - len(lst)) for j, lst in enumerate(loop.final) for p, n in enumerate(lst)}
 
     def read(a: fx.Node) -> fx.Node:
         if a in env:
@@ -276,7 +371,7 @@ def top_graph(loop: Loop, module: str) -> tuple[fx.Graph, fx.Node]:
         if a not in index:
             raise NotALoop(f"the top level after the sublayers reads {a.name}")
         j, p = index[a]
-        env[a] = g.create_node("call_function", operator.getitem, (outs[j], p))
+        env[a] = outs[j] if p is None else g.create_node("call_function", operator.getitem, (outs[j], p))
         return env[a]
 
     for n in loop.epilogue:
@@ -342,15 +437,17 @@ def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], writte
     """The loop's source in place of the marker line, and the globals the companion ops need."""
     call = ast.parse(marker_line.split(" = ", 1)[1].split(";  ")[0].split("  #")[0].strip()).body[0].value
     sources = [ast.unparse(a) for a in call.args]
-    initial = sources[: len(loop.initial)]
-    extra = sources[len(loop.initial) :]
+    count = len(loop.initial[0]) if loop.slots else len(loop.initial)
+    initial, extra = sources[:count], sources[count:]
     where = dict(zip(_loop_inputs(loop), extra))
     uniform = len({opens for _, _, opens in loop.steps}) == 1
     opens_all = loop.steps[0][2]
     cached = any(k.caches() for k in loop.kinds)
     i, kind, opens, names, layer, y = (_fresh(n, taken) for n in ("i", "kind", "opens", "names", "layer", "y"))
     lines = []
-    for j, (name, init) in enumerate(zip(lists, initial)):
+    if loop.slots:
+        lines.append(f"{', '.join(lists)} = {', '.join(initial)}  # the values the residual stream carries on")
+    for j, (name, init) in enumerate(zip(lists, initial) if not loop.slots else ()):
         stream = "the AttnRes sources" + ("" if uniform else "; the last one the open block's sum")
         what = (f"the residual stream's values ({stream})" if j == 0
                 else f"per value, {_companion_code(loop.companions[j - 1], 'value')[0]}")  # fmt: skip
@@ -373,10 +470,14 @@ def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], writte
                 args.append(f"torch.stack({lists[what]})")
             elif role == "cache":
                 args.append(f"{where[loop.caches]}[{names}[{bases.index(what)}]]")
+            elif role == "slot":
+                args.append(lists[what])
             else:
                 args.append(where[what])
-        outs = [temps[next(b for q2, b in spec.writes if q2 == q)] if q != spec.residual else y
-                for q in range(len(spec.writes) + 1)]  # fmt: skip
+        role_of = {q: temps[b] for q, b in spec.writes} | {q: lists[j] for q, j in spec.slots_out}
+        if not loop.slots:
+            role_of[spec.residual] = y
+        outs = [role_of[q] for q in range(len(role_of))]
         pad = "    " if single else "        "
         if not single:
             branch = "if" if k == 0 else "elif" if k + 1 < len(loop.kinds) else "else"
@@ -386,6 +487,8 @@ def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], writte
         if spec.writes:
             targets = ", ".join(f"{written}[{names}[{bases.index(b)}]]" for _, b in spec.writes)
             lines.append(f"{pad}{targets} = {', '.join(temps[b] for _, b in spec.writes)}")
+    if loop.slots:
+        return "\n".join(indent + ln for ln in lines), globals_
     updates = []
     for j, name in enumerate(lists[1:], start=1):
         expr, more = _companion_code(loop.companions[j - 1], y)
@@ -424,7 +527,7 @@ def rolled(loop: Loop, table: str, module: str, names_of: dict) -> tuple[str, di
             got[int(m.group(2))] = m.group(1)
         else:
             rest.append(ln)
-    count = len(loop.final)
+    count = len(loop.final[0]) if loop.slots else len(loop.final)
     lists = [got.get(j, _fresh(f"sources_{j}", taken)) for j in range(count)]
     written = got.get(count, _fresh("written", taken))
     indent = re.match(r"^(\s*)", lines[at]).group(1)

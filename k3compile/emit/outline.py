@@ -2,10 +2,11 @@
 
 Each node belongs to at most one sublayer: `layers.<i>.attn` (its depth site, pre-norm and token mixer)
 or `layers.<i>.ffn` (depth site, pre-norm, MoE or dense FFN), seeded by the parameters it reads and
-grown along the data flow; the depth mixing between sublayers (sums and stacks the attn_res pass made)
-stays at the top level, while pure glue computed from the graph's inputs alone (a cache's dtype, views of
-the decode positions) joins the one sublayer that uses it. Sublayers whose code is the same up to their parameters' layer are one kind,
-emitted once as `def <kind>(layer, ...)` and called with `self.layers[i]` from the loop of
+grown along the data flow (a node joining two sublayers, like plain residuals' fused add + next pre-norm,
+goes to the one whose weights it reads); the depth mixing between sublayers (sums and stacks the attn_res
+pass made) stays at the top level, while pure glue computed from the graph's inputs alone (a cache's
+dtype, views of the decode positions) joins the one sublayer that uses it. Sublayers whose code is the
+same up to their parameters' layer are one kind, emitted once as `def <kind>(layer, ...)` and called with `self.layers[i]` from the loop of
 `k3compile.emit.loop` (or, for a graph that is not such a loop, from an unrolled top level). A sublayer
 that cannot be cut out as one call (its region is not convex in the data flow) stays inline.
 """
@@ -59,7 +60,7 @@ def _regions(gm: fx.GraphModule) -> dict[tuple[int, str], Region]:
             key = None if where is None else where[:2]
         else:
             keys = {owner[a] for a in n.all_input_nodes if a in owner}
-            if len(keys) > 1:  # joins sublayers: it belongs to the one whose weights it reads (a fused next pre-norm)
+            if len(keys) > 1:  # joins sublayers: it is the one's whose weights it reads (a fused next pre-norm)
                 keys = {owner[a] for a in n.all_input_nodes if a in owner and a.op == "get_attr"}
             if any(a.op == "get_attr" and a not in owner for a in n.all_input_nodes):
                 keys = set()  # reads a weight outside the layers (the final norm): the top level's
