@@ -410,6 +410,12 @@ def _companion_code(template: tuple, value: str) -> tuple[str, dict]:
     return expr, code.globals
 
 
+def _which(layers: list[int], width: int = 60) -> str:
+    """'layers 3, 7' for a comment, or '24 layers' where the list would run past `width` characters."""
+    listed = f"layers {_ranges(layers)}"
+    return listed if len(listed) <= width else f"{len(layers)} layers"
+
+
 def _fresh(name: str, taken: set[str]) -> str:
     while name in taken or keyword.iskeyword(name):
         name += "_"
@@ -427,7 +433,7 @@ def steps_table(loop: Loop, table: str) -> str:
     text += "# and per kind the caches it reads and writes (layer_steps adds each step's cache names)\n" * cached
     if not cached:
         return text + f"{table} = {_wrapped(rows, '')}\n"
-    kinds = "".join(f"        {k.caches()!r},  # {j}: {k.function}, layers {_ranges(k.layers)}\n"
+    kinds = "".join(f"        {k.caches()!r},  # {j}: {k.function}, {_which(k.layers)}\n"
                     for j, k in enumerate(loop.kinds))  # fmt: skip
     return text + f"{table} = layer_steps(\n    {_wrapped(rows, '    ')},\n    caches=(\n{kinds}    ),\n)\n"
 
@@ -482,7 +488,7 @@ def loop_text(loop: Loop, table: str, marker_line: str, lists: list[str], writte
         if not single:
             branch = "if" if k == 0 else "elif" if k + 1 < len(loop.kinds) else "else"
             test = f" {kind} == {k}" if branch != "else" else ""
-            lines.append(f"    {branch}{test}:  # layers {_ranges(spec.layers)}")
+            lines.append(f"    {branch}{test}:  # {_which(spec.layers)}")
         lines.append(f"{pad}{', '.join(outs)} = {spec.function}({', '.join(args)})")
         if spec.writes:
             targets = ", ".join(f"{written}[{names}[{bases.index(b)}]]" for _, b in spec.writes)
