@@ -103,7 +103,8 @@ def test_the_loop_computes_exactly_the_graph(request, variant, graph):
     tensors = {**dict(gm.named_parameters()), **dict(gm.named_buffers())}
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            t.copy_(tensors[name])
+            if name in tensors:  # a buffer only the other inference graph reads is not this graph's
+                t.copy_(tensors[name])
     before = {k: v.clone() for k, v in tensors.items()}
     gen = torch.Generator().manual_seed(0)
     batch, tokens = (2, 1) if graph == "decode" else (2, 13)
@@ -121,7 +122,8 @@ def test_the_loop_computes_exactly_the_graph(request, variant, graph):
             v.copy_(before[k])
         got = getattr(model, METHODS[graph])(*[clone(a) for a in args])
     _same(got, expected, graph)
-    _same(dict(model.named_buffers()), after, f"{graph} buffers")  # balancing statistics, selection bias
+    buffers = dict(model.named_buffers())
+    _same({k: buffers[k] for k in after}, after, f"{graph} buffers")  # balancing statistics, selection bias
 
 
 def test_a_graph_the_loop_cannot_express_stays_unrolled(tiny_spec):
