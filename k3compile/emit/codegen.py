@@ -258,7 +258,9 @@ def model_source(
     lines += sorted(i for i in imports if i.startswith("import"))
     lines += sorted(i for i in imports if not i.startswith("import"))
     lines += ["", "import k3compile.ops  # noqa: F401  (registers the torch.ops.k3 operators)", ""]
-    lines += ["from k3compile.runtime.generated import InferenceModule, TrainingModule, layer_table, packed_table", ""]
+    runtime = ["InferenceModule", "TrainingModule", "layer_table", "packed_table"]
+    runtime += ["layer_steps"] if any("= layer_steps(" in f for f in functions) else []
+    lines += [f"from k3compile.runtime.generated import {', '.join(sorted(runtime))}", ""]
     lines += [f"SPEC_JSON = {_wrapped_string(spec_json(spec))}", f"TARGET = {target!r}  # the kernels' target (see bind_kernels)", "", ""]
     return "\n".join(lines) + "\n\n".join(functions) + "\n\n" + "\n\n".join(classes)
 

@@ -1,11 +1,14 @@
-"""Outlining: a bound graph as one function per distinct sublayer kind, called from a short top level.
+"""Outlining: a bound graph as one function per distinct sublayer kind, called from a loop over the layers.
 
 Each node belongs to at most one sublayer: `layers.<i>.attn` (its depth site, pre-norm and token mixer)
 or `layers.<i>.ffn` (depth site, pre-norm, MoE or dense FFN), seeded by the parameters it reads and
-grown along the data flow; the depth mixing between sublayers (sums and stacks the attn_res pass made)
-stays at the top level. Sublayers whose code is the same up to their parameters' layer are one kind,
-emitted once as `def <kind>(layer, ...)` and called with `self.layers[i]`. A sublayer that cannot be
-cut out as one call (its region is not convex in the data flow) stays inline.
+grown along the data flow (a node joining two sublayers, like plain residuals' fused add + next pre-norm,
+goes to the one whose weights it reads); the depth mixing between sublayers (sums and stacks the attn_res
+pass made) stays at the top level, while pure glue computed from the graph's inputs alone (a cache's
+dtype, views of the decode positions) joins the one sublayer that uses it. Sublayers whose code is the
+same up to their parameters' layer are one kind, emitted once as `def <kind>(layer, ...)` and called with `self.layers[i]` from the loop of
+`k3compile.emit.loop` (or, for a graph that is not such a loop, from an unrolled top level). A sublayer
+that cannot be cut out as one call (its region is not convex in the data flow) stays inline.
 """
 
 from __future__ import annotations
@@ -57,10 +60,15 @@ def _regions(gm: fx.GraphModule) -> dict[tuple[int, str], Region]:
             key = None if where is None else where[:2]
         else:
             keys = {owner[a] for a in n.all_input_nodes if a in owner}
+            if len(keys) > 1:  # joins sublayers: it is the one's whose weights it reads (a fused next pre-norm)
+                keys = {owner[a] for a in n.all_input_nodes if a in owner and a.op == "get_attr"}
+            if any(a.op == "get_attr" and a not in owner for a in n.all_input_nodes):
+                keys = set()  # reads a weight outside the layers (the final norm): the top level's
             key = keys.pop() if len(keys) == 1 else None
         if key is not None:
             owner[n] = key
             regions.setdefault(key, Region(*key)).nodes.append(n)
+    _absorb_glue(gm, owner, regions)
     for r in regions.values():
         inside = set(r.nodes)
         seen: dict[fx.Node, None] = {}
@@ -71,6 +79,35 @@ def _regions(gm: fx.GraphModule) -> dict[tuple[int, str], Region]:
         r.inputs = list(seen)
         r.outputs = [n for n in r.nodes if any(u not in inside for u in n.users)]
     return {k: r for k, r in regions.items() if r.outputs}
+
+
+def _is_cache_read(n: fx.Node) -> bool:
+    """`caches['<kind>.<layer>']`: one cache tensor looked up in a graph input."""
+    return (n.op == "call_function" and n.target is operator.getitem and isinstance(n.args[1], str)
+            and isinstance(n.args[0], fx.Node) and n.args[0].op == "placeholder")  # fmt: skip
+
+
+def _absorb_glue(gm: fx.GraphModule, owner: dict, regions: dict) -> None:
+    """Move into a sublayer the pure nodes computed from the graph's inputs alone (a cache's dtype, the
+    decode positions' views) that only it uses: its function then takes the cache and positions themselves."""
+    from_inputs: set[fx.Node] = set()
+    for n in gm.graph.nodes:
+        if n.op == "placeholder" or (n.op in ("call_function", "call_method") and n not in owner
+                                     and not n.meta.get("depth") and not n.is_impure()
+                                     and all(a in from_inputs for a in n.all_input_nodes)):  # fmt: skip
+            from_inputs.add(n)
+    position = {n: i for i, n in enumerate(gm.graph.nodes)}
+    moved = set()
+    for n in reversed(gm.graph.nodes):
+        if n not in from_inputs or n.op == "placeholder" or _is_cache_read(n) or not n.users:
+            continue
+        keys = {owner.get(u) for u in n.users}
+        if len(keys) == 1 and None not in keys:
+            owner[n] = key = keys.pop()
+            regions[key].nodes.append(n)
+            moved.add(key)
+    for key in moved:
+        regions[key].nodes.sort(key=position.__getitem__)
 
 
 def schedule(gm: fx.GraphModule, regions: dict) -> list[fx.Node | Region]:
@@ -155,6 +192,8 @@ def _input_name(node: fx.Node, i: int) -> str:
     """A placeholder name that reads the same in every layer: a cache's kind, else x, x_1, ..."""
     if node.op == "call_function" and node.target is operator.getitem and isinstance(node.args[1], str):
         return node.args[1].split(".")[0]
+    if node.op == "placeholder":
+        return node.name
     return "x" if i == 0 else f"x_{i}"
 
 
@@ -276,7 +315,7 @@ def _join(code: str, freed: list[str], comment: str) -> str:
 
 
 _NAME = re.compile(r"(?<![\w.])[A-Za-z_]\w*")  # a variable, not an attribute (`torch.stack` is not `stack`)
-_STACK = re.compile(r"^(\s*)(\w+) = (torch\.stack\(\[[\w, ]*\]\))(  #.*)?$")
+_STACK = re.compile(r"^(\s*)(\w+) = (torch\.stack\((?:\[[\w, ]*\]|\w+)\))(  #.*)?$")
 _LAYER = re.compile(r"^(\s*)(layer_\d+) = (layers\[\d+\])$")
 
 
@@ -393,11 +432,22 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
         names[id(step)] = kinds[body]
         users.setdefault(kinds[body], []).append(step.layer)
     functions = [_function(name, body, signature[name], users[name], graph) for body, name in kinds.items()]
+    from k3compile.emit.loop import NotALoop, derive, rolled, steps_table
+
+    table = f"{graph.upper()}_STEPS"  # the loop's steps, a module-level table after the functions
+    try:
+        loop = derive(steps, names)
+        text, more = rolled(loop, table, OUTLINED_MODULE, names_of)
+        globals_.update(more)
+        return functions + [steps_table(loop, table)], inline_simple(text), globals_
+    except NotALoop as why:
+        reason = " ".join(str(why).split())  # one comment line
     top = top_level(gm, steps, names).python_code(root_module="self", verbose=True)
     globals_.update({k: v for k, v in top.globals.items() if not isinstance(v, _Outlined)})
     text = readable(top.src, keep_deletions=True, names_of=names_of).replace(f"{OUTLINED_MODULE}_", "")
     text = inline_simple(unpack_tuples(text))
-    return functions, text, globals_
+    head, _, rest = text.partition("\n")
+    return functions, f"{head}\n    # unrolled, not a loop over the layers: {reason}\n{rest}", globals_
 
 
 def _function(name: str, body: str, what: str, layers: list[int], graph: str) -> str:

@@ -56,6 +56,12 @@ def layer_table(kinds: tuple, layers: tuple, top: tuple = (), tail: tuple = (), 
     return tuple(rows) + tuple(tail)
 
 
+def layer_steps(rows: tuple, caches: tuple) -> tuple:
+    """The emitted loop's steps: each row (layer i, sublayer kind, ...) gains the names of the caches its kind
+    reads and writes (`caches[kind]`, each as "<cache>.<i>"), made once here rather than at every step."""
+    return tuple((*row, tuple(f"{c}.{row[0]}" for c in caches[row[1]])) for row in rows)
+
+
 def packed_table(rows: tuple) -> dict:
     """PACKED from (weight, data buffer, scale buffer, element format, block, weight shape) rows."""
     return {w: {"data": d, "scale": s, "fmt": f, "block": b, "shape": list(shape)} for w, d, s, f, b, shape in rows}
