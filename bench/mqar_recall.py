@@ -5,8 +5,8 @@
         --set training.lr=0.01 --set training.schedule.warmup_steps=20
     python bench/mqar_recall.py specs/k3-tiny.yaml --mqar 4,16,4,16 --steps 150 --set num_layers=4 ...
 
-Trains as a study's MQAR run does (the trainer's step, seed 0, one torch thread by default) and prints, every
---every steps, the held-out accuracy of the first, second, ... query of each sequence. With every key
+Trains as a study's MQAR run does (the trainer's step, seed 0 unless --seed, one torch thread by default) and
+prints, every --every steps, the held-out accuracy of the first, second, ... query of each sequence. With every key
 queried, the last query's value is the one not given yet, so a model that binds no key still gets the last
 query right while the first stays at chance (1 / num_kv_pairs). Prints the CPU capability, threads, CPU and
 wall seconds. Nothing here is asserted on.
@@ -35,16 +35,17 @@ def main() -> None:
     ap.add_argument("--every", type=int, default=25, help="evaluate every K steps (default 25)")
     ap.add_argument("--set", action="append", default=[], metavar="A.B=VALUE", help="spec override (repeatable)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    ap.add_argument("--seed", type=int, default=0, help="the run's seed (init, batches, held-out set; default 0)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     task = MQAR(*(int(x) for x in args.mqar.split(",")))
-    spec = load_spec(args.spec, [*args.set, f"training.seq_len={task.seq_len}", "training.seed=0"])
+    spec = load_spec(args.spec, [*args.set, f"training.seq_len={task.seq_len}", f"training.seed={args.seed}"])
     print(f"cpu capability {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"{spec.name}, MQAR {task}")
     with tempfile.TemporaryDirectory() as tmp:
         package = build_package(spec, Path(tmp) / "build", lambda *a: None, mode="train")
         run = mqar_run(spec, package, task, Path(tmp) / "run")
-        val = held_out(task, MQAR_HELD_OUT, spec.training.batch_size * EVAL_BATCHES, 0)
+        val = held_out(task, MQAR_HELD_OUT, spec.training.batch_size * EVAL_BATCHES, args.seed)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for step in range(args.steps):
             record = train_step(run, step, args.steps)
