@@ -38,13 +38,19 @@ def _few_rows(xf: Tensor) -> bool:
     return xf.numel() <= FEW_ROWS * xf.shape[-1]
 
 
+def _few_rows_inv_root(xf: Tensor, eps: float, scale: float) -> Tensor:
+    """rsqrt(scale * sum(xf^2, last dim) + eps), keepdim, from one vector_norm call instead of a square and a
+    sum: the same value to fp32 rounding, in the fewest calls a decoding step's few rows pay for."""
+    norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
+    return torch.addcmul(const(eps, norm), norm, norm, value=scale).rsqrt_()
+
+
 def _inv_rms(xf: Tensor, eps: float) -> Tensor:
-    """rsqrt(mean(xf^2, last dim) + eps), keepdim, with the bits of torch's mean (a sum, then / n); for a few
-    rows from one vector_norm call instead of a square and a sum (within an ulp: decoding pays per call)."""
+    """rsqrt(mean(xf^2, last dim) + eps), keepdim, with the bits of torch's mean (a sum, then / n); a few rows
+    take `_few_rows_inv_root`."""
     n = xf.shape[-1]
     if _few_rows(xf):
-        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-        return torch.addcmul(const(eps, norm), norm, norm, value=1.0 / n).rsqrt_()
+        return _few_rows_inv_root(xf, eps, 1.0 / n)
     ss = (xf * xf).sum(dim=-1, keepdim=True)  # xf * xf: the bits of xf.pow(2)
     if n & (n - 1) == 0:  # / n is * (1/n), exact: fold it into the + eps (one rounding either way)
         return torch.addcmul(const(eps, ss), ss, const(1.0 / n, ss)).rsqrt_()
@@ -60,9 +66,8 @@ def rms_norm_ref(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 def l2_norm_ref(x: Tensor, eps: float) -> Tensor:
     """y = x / sqrt(sum(x^2, last dim) + eps) (eps inside the root, as KDA's q/k norm), in x's dtype."""
     xf = upcast(x)
-    if _few_rows(xf):  # as in _inv_rms
-        norm = torch.linalg.vector_norm(xf, dim=-1, keepdim=True)
-        inv = torch.addcmul(const(eps, norm), norm, norm).rsqrt_()
+    if _few_rows(xf):
+        inv = _few_rows_inv_root(xf, eps, 1.0)
     else:
         inv = (xf * xf).sum(dim=-1, keepdim=True).add_(const(eps, xf)).rsqrt_()
     return as_dtype(xf * inv, x.dtype)

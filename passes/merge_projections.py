@@ -45,8 +45,9 @@ def _weights(node: fx.Node, params: dict) -> list[fx.Node] | None:
 
 
 def _groups(gm: fx.GraphModule, params: dict) -> list[tuple[fx.Node, list[tuple[fx.Node, list[fx.Node]]]]]:
-    """(input, [(projection, its weights)]) for each input read by projections of two or more weights of one
-    dtype and width; projections in graph order."""
+    """(input, [(projection, its weights)]) for each input read by two or more projections whose weights share
+    a dtype and width; projections in graph order."""
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     out = []
     for x in gm.graph.nodes:
         members = [(u, ws) for u in x.users if u.args[0] is x and (ws := _weights(u, params)) is not None]
@@ -55,10 +56,7 @@ def _groups(gm: fx.GraphModule, params: dict) -> list[tuple[fx.Node, list[tuple[
             p = params[ws[0].target]
             if all(params[w.target].dtype == p.dtype and params[w.target].shape[1] == p.shape[1] for w in ws):
                 by_kind.setdefault((p.dtype, p.shape[1]), []).append((u, ws))
-        for group in by_kind.values():
-            if sum(len(ws) for _, ws in group) >= 2 and len(group) >= 2:
-                order = {n: i for i, n in enumerate(gm.graph.nodes)}
-                out.append((x, sorted(group, key=lambda m: order[m[0]])))
+        out += [(x, sorted(group, key=lambda m: order[m[0]])) for group in by_kind.values() if len(group) >= 2]
     return out
 
 
