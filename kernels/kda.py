@@ -102,13 +102,14 @@ def kda_step_ref(
     (what einsum("bhk,bhkv->bhv") runs, without its permutes).
     """
     B, H, K = k_BHK.shape
-    V = v_BHV.shape[-1]
-    S = state_BHKV * torch.exp(g_BHK).view(B, H, K, 1)  # views, not unsqueezes: fresh tensors, one call each
-    residual_BHV = v_BHV - torch.bmm(_shaped(k_BHK, B * H, 1, K), _shaped(S, B * H, K, V)).view(B, H, V)
-    S = torch.addcmul(S, (beta_BH.view(B, H, 1) * k_BHK).view(B, H, K, 1), residual_BHV.view(B, H, 1, V))
-    q_n1K = _shaped(q_BHK * const(scale, q_BHK), B * H, 1, K)
-    o_BHV = torch.bmm(q_n1K, _shaped(S, B * H, K, V)).view(B, H, V)
-    return o_BHV, S
+    V, n = v_BHV.shape[-1], B * H
+    # the heads flattened (n = (b, h)) and views, not unsqueezes: one call each
+    S_nKV = _shaped(state_BHKV, n, K, V) * _shaped(torch.exp(g_BHK), n, K, 1)
+    k_n1K = _shaped(k_BHK, n, 1, K)
+    residual_n1V = _shaped(v_BHV, n, 1, V) - torch.bmm(k_n1K, S_nKV)
+    S_nKV = torch.addcmul(S_nKV, (_shaped(beta_BH, n, 1, 1) * k_n1K).view(n, K, 1), residual_n1V)
+    o_n1V = torch.bmm(_shaped(q_BHK * const(scale, q_BHK), n, 1, K), S_nKV)
+    return o_n1V.view(B, H, V), S_nKV.view(B, H, K, V)
 
 
 def kda_decode_step_ref(

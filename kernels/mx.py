@@ -369,15 +369,22 @@ def mx_dequantize_fast(
 def mx_fake_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> Tensor:
     """`mx_fake_quantize_ref` with the same bits in one fp32 pass (no packed payload), for QAT.
 
-    Element value times 2^shared is exact in fp32 (see `mx_dequantize_fast`). 2^shared is 2^-127 when the
-    byte is 0, else the byte's bits; amax * 0 (0, or NaN for a NaN/Inf block) added to it NaNs those blocks.
+    Element value over 2^-shared is exact in fp32: it is the element times 2^shared (2^-127 for byte 0; see
+    `mx_dequantize_fast`), and 2^-shared a normal power of two. amax * 0 (0, or NaN for a NaN/Inf block)
+    added to 2^-shared NaNs those blocks whole.
     """
     f = check_mx_shape(x.shape[-1], fmt, block)
     if x.dtype not in FAST_DTYPES:
         return mx_fake_quantize_ref(x, fmt, block)
-    q, amax, byte_bits = _fast_elements(x, f, block)
-    factor = torch.addcmul(_f32(byte_bits.clamp_min_(_i32(_TWO_POW_M127, byte_bits))), amax, const(0.0, amax))
-    y = q.mul_(factor).view(x.shape)
+    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
+    if not xf.is_contiguous():
+        xf = xf.contiguous()
+    *lead, n = xf.shape
+    xb = xf.view(*lead, n // block, block)
+    amax, _, inv_scale = _fast_scales(xb, f)
+    inv_scale.addcmul_(amax, const(0.0, amax))
+    m = torch.mul(xb, inv_scale) if xf is x else xb.mul_(inv_scale)  # xf is a fresh copy unless x was contiguous fp32
+    y = _round_to_grid_(m.clamp_(-f.max, f.max), f).div_(inv_scale).view(x.shape)  # one clamp: no cast
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

@@ -82,14 +82,37 @@ def _quantize_latent(gm: fx.GraphModule, mm: fx.Node, L: int, fmt: str, block: i
     return True
 
 
+def _repeats(x: fx.Node) -> list[fx.Node]:
+    """The views from routing's repeated rows x back to the rows they repeat (x first), or [] for other inputs."""
+    source, chain = x.meta.get("rows_of"), [x]
+    while source is not None and chain[-1].op == "call_method" and chain[-1].target in ("view", "expand", "reshape"):
+        if chain[-1].args[0] is source:
+            return chain
+        chain.append(chain[-1].args[0])
+    return []
+
+
 def _quantize_activation(gm: fx.GraphModule, mm: fx.Node, fmt: str, block: int, done: dict) -> bool:
-    """Route the matmul's input through one fake-quantise per (input, format); True if a new one was made."""
+    """Route the matmul's input through one fake-quantise per (input, format); True if a new one was made.
+
+    An input that only repeats another's rows (routing's one row per choice, `rows_of`) is fake-quantised
+    before the repeat: the same values (blocks run along rows), from top_k times fewer rows."""
     x = mm.args[0]
     key = (x, fmt)
     fresh = key not in done
     if fresh:
-        with gm.graph.inserting_after(x):
-            done[key] = gm.graph.call_function(K3.mx_fake_quantize.default, (x, ELEMENT_OF_POLICY[fmt], block))
+        chain = _repeats(x)
+        source = chain[-1].args[0] if chain else x
+        g = gm.graph
+        with g.inserting_after(source):
+            fq = g.call_function(K3.mx_fake_quantize.default, (source, ELEMENT_OF_POLICY[fmt], block))
+        if chain:
+            mapping = {source: fq}
+            with g.inserting_before(x):
+                for n in reversed(chain):
+                    mapping[n] = g.node_copy(n, lambda a: mapping.get(a, a))
+            fq = mapping[x]
+        done[key] = fq
     mm.replace_input_with(x, done[key])
     return fresh
 

@@ -54,11 +54,12 @@ def _gather_experts(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, top
     region = expert_region(buffer, combine.args[0])
     inputs = dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in region and a is not buffer)
     with g.inserting_before(region[0]):
-        flat = g.call_method("flatten", (indices,))
+        flat = g.call_method("view", (indices, -1))  # (the router's fresh indices; flatten is two aten calls)
         # each token's row once per choice, [T * K, 1, w]: an expanded view reshaped (repeat_interleave's calls / 2)
         width = h.meta["val"].shape[-1]
-        rows = g.call_method("reshape", (g.call_method("expand", (g.call_method("unsqueeze", (h, 1)), -1, top_k, -1)),
+        rows = g.call_method("reshape", (g.call_method("expand", (g.call_method("view", (h, -1, 1, width)), -1, top_k, -1)),
                                          -1, 1, width))  # fmt: skip
+        rows.meta["rows_of"] = h  # copies of h's rows: what is per row of h (pack_mxfp4's fake-quantise) goes before
     for w in (a for a in inputs if _leading(a) == num_experts):
         users = [u for u in w.users if u in region]
         source, views = _through_views(w)

@@ -136,31 +136,31 @@ class KDAMixer(nn.Module):
         q, q_state = self.q_conv(self.q_proj(x_BTD), None if state is None else state.q_conv)
         k, k_state = self.k_conv(self.k_proj(x_BTD), None if state is None else state.k_conv)
         v, v_state = self.v_conv(self.v_proj(x_BTD), None if state is None else state.v_conv)
-        q, k = l2_norm(q.view(B, T, H, K)), l2_norm(k.view(B, T, H, K))
-        v = v.view(B, T, H, K)
+        if mode == "decode" and isinstance(T, int) and T != 1:  # (under fx tracing T is symbolic)
+            raise ValueError(f"mode 'decode' takes one token at a time, got T={T}")
+        tokens = (B,) if mode == "decode" else (B, T)  # the one-token step ops take [B, H, K]: no token axis
+        q, k = l2_norm(q.view(*tokens, H, K)), l2_norm(k.view(*tokens, H, K))
+        v = v.view(*tokens, H, K)
         per_head = self.decay_granularity == "head"
-        g = kda_gate(self.f_up(self.f_down(x_BTD)).view(B, T, H, 1 if per_head else K), self.A_log, self.dt_bias,
-                     self.decay_form, self.lower_bound)
+        g = kda_gate(self.f_up(self.f_down(x_BTD)).view(*tokens, H, 1 if per_head else K), self.A_log,
+                     self.dt_bias, self.decay_form, self.lower_bound)
         if per_head:
-            g = g.expand(B, T, H, K).contiguous()
+            g = g.expand(*tokens, H, K).contiguous()
         recurrent = None if state is None else state.recurrent
         if mode == "decode":
-            if isinstance(T, int) and T != 1:  # (under fx tracing T is symbolic)
-                raise ValueError(f"mode 'decode' takes one token at a time, got T={T}")
             if recurrent is None:
                 recurrent = x_BTD.new_zeros(B, H, K, K, dtype=torch.float32)
             if self.delta_rule:
-                beta = torch.sigmoid(self.b_proj(x_BTD).float())
-                o, S = kda_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], recurrent)
+                beta = torch.sigmoid(self.b_proj(x_BTD).float().view(B, H))
+                o, S = kda_decode_step(q, k, v, g, beta, recurrent)
             else:
-                o, S = gla_decode_step(q[:, 0], k[:, 0], v[:, 0], g[:, 0], recurrent)
-            o = o[:, None]
+                o, S = gla_decode_step(q, k, v, g, recurrent)
         elif not self.delta_rule:
             o, S = gla(q, k, v, g, initial_state=recurrent)
         else:
             beta = torch.sigmoid(self.b_proj(x_BTD).float())
             o, S = kda(q, k, v, g, beta, initial_state=recurrent, output_final_state=True, mode=mode,
                        chunk_size=self.chunk_size)
-        gate = self._gate(x_BTD).view(B, T, H, K)
+        gate = self._gate(x_BTD).view(*tokens, H, K)
         o = rms_norm_gate(o, self.o_norm.weight, gate, self.norm_eps).reshape(B, T, H * K)
         return self.o_proj(o), KDAState(S, q_state, k_state, v_state)

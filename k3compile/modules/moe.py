@@ -257,7 +257,7 @@ class LatentMoE(nn.Module):
         y = self.latent_up(u) if self.latent_up is not None else u
         if self.shared_experts is not None:
             y = y + self.shared_experts(x_TD)
-        return y.view_as(x)
+        return y.view(x.shape)  # (view_as is two aten calls)
 
     def update_balance(self) -> dict[str, Tensor]:
         """Apply load balancing to the router bias (once per optimizer step); returns the statistics."""

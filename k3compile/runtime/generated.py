@@ -104,8 +104,9 @@ class GeneratedModule(nn.Module):
             self.reset_parameters()
 
     def _tie_merged(self) -> None:
-        """Stack each MERGED group's weights into its buffer (not saved) and make the weights views of its rows,
-        so the decode graph's one matmul and the prefill graph's per-weight matmuls read the same memory."""
+        """Stack each MERGED group's weights by rows, hold the stack's transpose as its buffer (not saved) and make
+        the weights views of its rows, so the decode graph's one matmul and the prefill graph's per-weight
+        matmuls read the same memory."""
         groups: dict[str, list[str]] = {}
         for stacked, member in self.MERGED:
             groups.setdefault(stacked, []).append(member)
@@ -113,7 +114,7 @@ class GeneratedModule(nn.Module):
             params = [self.get_parameter(m) for m in members]
             rows = torch.cat([p.detach() for p in params])
             owner, _, leaf = stacked.rpartition(".")
-            self.get_submodule(owner).register_buffer(leaf, rows, persistent=False)
+            self.get_submodule(owner).register_buffer(leaf, rows.t(), persistent=False)  # held as [in, out]
             start = 0
             for p in params:
                 p.data = rows[start : start + p.shape[0]]

@@ -72,16 +72,18 @@ def test_expert_matmul_ref_matches_loop_and_keeps_dtype():
     assert _rel(y.float(), _loop_matmul(x.bfloat16(), w.bfloat16())) < 1e-2
 
 
-def test_mx_refs_match_hand_decoded_weights():
+@pytest.mark.parametrize("kind", ["situ_glu", "swiglu"])
+@pytest.mark.parametrize("C", [3, 32])  # a few rows per expert (gate and up as one stack), and many
+def test_mx_refs_match_hand_decoded_weights(C, kind):
     torch.manual_seed(3)
-    E, C, w, I = 2, 3, 64, 4
+    E, w, I = 2, 64, 4
     x, h = torch.randn(E, C, w), torch.randn(E, C, I * 8)
     gate = mx_quantize_fast(torch.randn(E, I, w), "e2m1", 32)
     up = mx_quantize_fast(torch.randn(E, I, w), "e2m1", 32)
     down = mx_quantize_fast(torch.randn(E, w // 8, I * 8), "e2m1", 32)
     wg, wu, wd = (_decode(*q, 32) for q in (gate, up, down))
-    got = ref.mx_expert_glu_ref(x, *gate, *up, 32, "situ_glu", 4.0, 25.0)
-    assert _rel(got, _loop_glu(x, wg, wu, "situ_glu")) < 1e-6
+    got = ref.mx_expert_glu_ref(x, *gate, *up, 32, kind, 4.0, 25.0)
+    assert _rel(got, _loop_glu(x, wg, wu, kind)) < 1e-6
     assert _rel(ref.mx_expert_matmul_ref(h, *down, 32), _loop_matmul(h, wd)) < 1e-6
 
 

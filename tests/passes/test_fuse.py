@@ -71,14 +71,14 @@ def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, rec
     expected = len(tiny_spec.dense_layers) + n_moe  # one dense FFN + one shared-expert MLP per MoE layer
     for graph in INFER_GRAPHS:  # the CPU train graph takes glu_train instead (next test)
         gm = tiny_build[graph].gm
-        # At decode, merge_projections stacks the shared experts' gate/up with the latent down projection (one
-        # matmul), so their activation is a situ_glu of its split outputs (tests/passes/test_merge_projections.py).
-        merged = n_moe if graph == "decode" else 0
+        # At decode, merge_projections stacks every gate/up pair (the shared experts' with the latent down
+        # projection, the dense FFN's alone) into one matmul, so their activation is a situ_glu of its split
+        # outputs (tests/passes/test_merge_projections.py).
+        merged = expected if graph == "decode" else 0
         fused = [n for n in gm.graph.nodes if n.target is K3.linear_glu.default]
         assert len(fused) + merged == expected == record(graph, "fuse").statistics["linear_glu"]
         owners = sorted(n.args[1].target.rsplit(".", 2)[0] for n in fused)
-        shared = [] if merged else [f"layers.{i}.moe.shared_experts" for i in range(1, 8)]
-        assert owners == sorted(["layers.0.ffn"] + shared)
+        assert owners == ([] if merged else sorted(["layers.0.ffn"] + [f"layers.{i}.moe.shared_experts" for i in range(1, 8)]))
         for n in fused:
             assert n.args[2].target == n.args[1].target.replace("gate_proj", "up_proj")
             assert n.args[3:] == ("situ_glu", 4.0, 25.0)

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from k3compile.passes.merge_projections import LINEARS
+from k3compile.spec.schema import MIXER_KDA
 
 K3 = torch.ops.k3
 
@@ -27,25 +28,39 @@ def _projections_by_input(gm) -> dict:
 
 
 def test_each_group_is_the_projections_prefill_runs_on_one_input(tiny_spec, tiny_build, record):
-    """Every stacked buffer holds exactly the weights the prefill graph projects one input through, in order,
-    and the decode graph reads none of them apart from the stacked buffer."""
+    """Every stacked buffer holds exactly the weights the prefill graph projects one input through, in order
+    (a projection alone is a group of one), the decode graph reads none of them apart from the stacked buffer,
+    and reads each stacked buffer, its [in, out] transpose, with one torch.mm."""
     gm = tiny_build["decode"].gm
     merged = gm.meta["merged"]
-    prefill_groups = [ws for ws in _projections_by_input(tiny_build["prefill"].gm).values() if len(ws) > 1]
-    dense = [f"layers.{i}.ffn.gate_proj.weight" for i in tiny_spec.dense_layers]  # a linear_glu alone: kept
-    assert sorted(merged.values()) == sorted(ws for ws in prefill_groups if ws[0] not in dense)
+    prefill = _projections_by_input(tiny_build["prefill"].gm).values()
+    absorbed = [ws for ws in prefill if ws[0].endswith("kv_b_proj.weight")]  # decode's MLA reads it whole
+    assert absorbed and sorted(merged.values()) == sorted(ws for ws in prefill if ws not in absorbed)
     stats = record("decode", "merge_projections").statistics
     assert stats == {"groups": len(merged), "weights_merged": sum(map(len, merged.values()))}
-    layers = tiny_spec.num_layers + sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
-    assert len(merged) == layers  # every token mixer and every MoE layer: one group each
     read = {n.target for n in gm.graph.nodes if n.op == "get_attr"}
     assert set(merged) <= read and not read & {w for ws in merged.values() for w in ws}
+    assert not [n for n in gm.graph.nodes if n.target in (*LINEARS, K3.linear_glu.default)]
     for name, ws in merged.items():
         stacked = gm.get_buffer(name)
-        assert torch.equal(stacked, torch.cat([gm.get_parameter(w) for w in ws]))
-        (linear,) = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name][0].users
-        (split,) = linear.users
-        assert split.args[1] == [gm.get_parameter(w).shape[0] for w in ws]
+        assert torch.equal(stacked.t(), torch.cat([gm.get_parameter(w) for w in ws]))
+        (mm,) = [n for n in gm.graph.nodes if n.op == "get_attr" and n.target == name][0].users
+        assert mm.target is torch.mm and mm.args[1].target == name
+
+
+def test_kda_short_convs_are_one_over_the_stacked_channels(tiny_spec, tiny_build):
+    """Per KDA layer the q, k and v short convolutions are one over their channels side by side (stacked taps
+    and states), split back into the three outputs and the three new states the caches receive."""
+    gm = tiny_build["decode"].gm
+    convs = [n for n in gm.graph.nodes if n.target is K3.short_conv.default]
+    kda = [i for i, kind in enumerate(tiny_spec.mixers) if kind == MIXER_KDA]
+    assert len(convs) == len(kda)
+    for i, conv in zip(kda, convs):
+        taps, states = conv.args[1], conv.args[2]
+        assert taps.target is torch.cat and states.target is torch.cat and states.kwargs == {"dim": 1}
+        assert [w.target for w in taps.args[0]] == [f"layers.{i}.attn.{c}_conv.weight" for c in "qkv"]
+        out = conv.meta["val"][0].shape[-1]
+        assert out == 3 * tiny_spec.kda.num_heads * tiny_spec.kda.head_dim
 
 
 def test_numerics_and_the_other_graphs(record, tiny_build):
@@ -73,7 +88,8 @@ def _views_of_stacked(model) -> None:
     for stacked, member in model.MERGED:
         groups.setdefault(stacked, []).append(member)
     for stacked, members in groups.items():
-        rows = model.get_buffer(stacked)
+        rows = model.get_buffer(stacked).t()  # the buffer is the [in, out] transpose of the stacked rows
+        assert rows.is_contiguous()
         offset = 0
         for m in members:
             p = model.get_parameter(m)

@@ -43,8 +43,11 @@ def rel(a, b) -> float:
 
 
 def fq_input(node) -> bool:
-    """The matmul-like `node` reads an activation fake-quantised to e4m3 (the policy's mxfp8)."""
+    """The matmul-like `node` reads an activation fake-quantised to e4m3 (the policy's mxfp8), or the decode
+    graph's rows repeated per choice from one (quantised before the repeat: the same values)."""
     x = node.args[0]
+    while x.op == "call_method" and x.target in ("view", "expand", "reshape"):
+        x = x.args[0]
     return x.target is K3.mx_fake_quantize.default and x.args[1:] == ("e4m3", 32)
 
 

@@ -116,6 +116,21 @@ def test_routed_experts_stay_packed_while_decoding(mx):
     assert "mx_dequantize" not in decode  # nothing dequantises a whole expert stack
 
 
+def test_one_decode_step_runs_at_most_2500_aten_calls(mx):
+    """torch.profiler's aten events in one k3-tiny decode step at batch 1, nested ones included, counted as
+    bench/decode_ops.py counts them: the three-graph issue's bound (the eager decoder ran about 7,750)."""
+    from torch.profiler import profile
+
+    model, _ = mx
+    with torch.no_grad():
+        _, cache = model.prefill(TOKENS[:, :20], max_len=24)
+        _, cache = model.decode(TOKENS[:, 20], cache)
+        with profile() as prof:
+            model.decode(TOKENS[:, 21], cache)
+    calls = sum(e.name.startswith("aten::") for e in prof.events())
+    assert 1000 < calls <= 2500, calls
+
+
 def test_decode_shapes_never_change(mx):
     """Static caches: every cache tensor keeps its shape and storage from one decode step to the next."""
     model, _ = mx
