@@ -46,10 +46,9 @@ def _weights(node: fx.Node, params: dict) -> list[fx.Node] | None:
     return ws if ok else None
 
 
-def _groups(gm: fx.GraphModule, params: dict) -> list[tuple[fx.Node, list[tuple[fx.Node, list[fx.Node]]]]]:
+def _groups(gm: fx.GraphModule, params: dict, order: dict) -> list[tuple[fx.Node, list]]:
     """(input, [(projection, its weights)]) for each input and weight dtype and width its projections read;
     projections in graph order."""
-    order = {n: i for i, n in enumerate(gm.graph.nodes)}
     out = []
     for x in gm.graph.nodes:
         members = [(u, ws) for u in x.users if u.args[0] is x and (ws := _weights(u, params)) is not None]
@@ -127,7 +126,7 @@ def _input_only(node) -> bool:
     return isinstance(node, fx.Node) and all(a.op == "placeholder" for a in node.all_input_nodes)
 
 
-def _pieces(members: list[fx.Node | None], convs: list[fx.Node | None], tensors: dict) -> list[list[int]]:
+def _pieces(convs: list[fx.Node | None], tensors: dict) -> list[list[int]]:
     """The merged product's pieces, as weight indices: one per weight, but runs of two or more consecutive
     projections each read by a short convolution of the same width are one (one convolution, their channels)."""
     width = [c and tensors[c.args[1].target].shape[1] for c in convs]
@@ -140,10 +139,9 @@ def _pieces(members: list[fx.Node | None], convs: list[fx.Node | None], tensors:
     return pieces
 
 
-def _merged_conv(g: fx.Graph, x: fx.Node, convs: list[fx.Node], sizes: list[int]) -> None:
+def _merged_conv(g: fx.Graph, x: fx.Node, convs: list[fx.Node], sizes: list[int], order: dict) -> None:
     """One short convolution over x, the channels of `convs` side by side: their weights and states are stacked
-    (two cats), the output and the new state split back into theirs."""
-    order = {n: i for i, n in enumerate(g.nodes)}
+    (two cats), the output and the new state split back into theirs. `order`: the graph's nodes' positions."""
     for a in sorted({a for c in convs for a in c.args[1:3]}, key=order.get):  # weights, cache reads (_input_only)
         if order[a] > order[convs[0]]:
             convs[0].prepend(a)
@@ -152,7 +150,8 @@ def _merged_conv(g: fx.Graph, x: fx.Node, convs: list[fx.Node], sizes: list[int]
     both = g.call_function(K3.short_conv.default, (x, weight, state), dict(convs[0].kwargs))
     outs = [g.call_method("split", (g.call_function(operator.getitem, (both, k)), sizes), {"dim": d})
             for k, d in ((0, -1), (1, 1))]  # fmt: skip
-    pieces = {(v, j): g.call_function(operator.getitem, (outs[v.args[1]], j)) for j, c in enumerate(convs) for v in c.users}
+    pieces = {(v, j): g.call_function(operator.getitem, (outs[v.args[1]], j))
+              for j, c in enumerate(convs) for v in c.users}  # fmt: skip
     for (v, _), piece in pieces.items():  # (all made first: the insertion point is convs[0], erased below)
         v.replace_all_uses_with(piece)
         g.erase_node(v)
@@ -160,8 +159,11 @@ def _merged_conv(g: fx.Graph, x: fx.Node, convs: list[fx.Node], sizes: list[int]
         g.erase_node(c)
 
 
-def _merge(gm: fx.GraphModule, x: fx.Node, group: list, params: dict, merged: dict, replaced: dict) -> int:
-    """Merge one group; each projection it erases goes into `replaced` with the node now computing its value."""
+def _merge(gm: fx.GraphModule, x: fx.Node, group: list, params: dict, merged: dict, replaced: dict,
+           tensors: dict, order: dict) -> int:
+    """Merge one group; each projection it erases goes into `replaced` with the node now computing its value.
+    `tensors`: every parameter by name; `order`: the nodes' positions before the pass (the conv merge moves
+    only a layer's own weight and cache reads, up to its first convolution)."""
     weights = [w.target for _, ws in group for w in ws]
     owner = _owner(weights)
     holder = gm.get_submodule(owner)
@@ -172,10 +174,9 @@ def _merge(gm: fx.GraphModule, x: fx.Node, group: list, params: dict, merged: di
     holder.register_buffer(leaf, torch.cat([params[w].detach() for w in weights]).t(), persistent=False)
     merged[name] = weights
     sizes = [params[w].shape[0] for w in weights]
-    tensors = dict(gm.named_parameters())
     members = [node if len(ws) == 1 else None for node, ws in group for _ in ws]  # per weight: a lone linear's node
     convs = [m and _conv_of(m, tensors) for m in members]
-    pieces = _pieces(members, convs, tensors)
+    pieces = _pieces(convs, tensors)
     first = group[0][0]
     g = gm.graph
     outs: list[fx.Node | None] = [None] * len(weights)
@@ -195,7 +196,7 @@ def _merge(gm: fx.GraphModule, x: fx.Node, group: list, params: dict, merged: di
                 outs[piece[0]] = part
             else:
                 with g.inserting_before(convs[piece[0]]):
-                    _merged_conv(g, part, [convs[i] for i in piece], [sizes[i] for i in piece])
+                    _merged_conv(g, part, [convs[i] for i in piece], [sizes[i] for i in piece], order)
     i = 0
     for node, ws in group:
         if len(ws) == 1:
@@ -223,8 +224,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
         return stats
     params = {n: p for n, p in gm.named_parameters() if not keeps_fp32(ctx.spec, n)}  # those stay fp32 under casts
     merged, replaced = dict(gm.meta.get("merged", {})), {}
-    for x, group in _groups(gm, params):  # an input may be a projection merged before (f_down feeds f_up)
-        stats["weights_merged"] += _merge(gm, replaced.get(x, x), group, params, merged, replaced)
+    tensors, order = dict(gm.named_parameters()), {n: i for i, n in enumerate(gm.graph.nodes)}
+    for x, group in _groups(gm, params, order):  # an input may be a projection merged before (f_down feeds f_up)
+        stats["weights_merged"] += _merge(gm, replaced.get(x, x), group, params, merged, replaced, tensors, order)
         stats["groups"] += 1
     gm.meta["merged"] = merged
     return stats

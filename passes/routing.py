@@ -57,8 +57,8 @@ def _gather_experts(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node, top
         flat = g.call_method("view", (indices, -1))  # (the router's fresh indices; flatten is two aten calls)
         # each token's row once per choice, [T * K, 1, w]: an expanded view reshaped (repeat_interleave's calls / 2)
         width = h.meta["val"].shape[-1]
-        rows = g.call_method("reshape", (g.call_method("expand", (g.call_method("view", (h, -1, 1, width)), -1, top_k, -1)),
-                                         -1, 1, width))  # fmt: skip
+        one = g.call_method("view", (h, -1, 1, width))
+        rows = g.call_method("reshape", (g.call_method("expand", (one, -1, top_k, -1)), -1, 1, width))
         rows.meta["rows_of"] = h  # copies of h's rows: what is per row of h (pack_mxfp4's fake-quantise) goes before
     for w in (a for a in inputs if _leading(a) == num_experts):
         users = [u for u in w.users if u in region]

@@ -78,7 +78,8 @@ def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, rec
         fused = [n for n in gm.graph.nodes if n.target is K3.linear_glu.default]
         assert len(fused) + merged == expected == record(graph, "fuse").statistics["linear_glu"]
         owners = sorted(n.args[1].target.rsplit(".", 2)[0] for n in fused)
-        assert owners == ([] if merged else sorted(["layers.0.ffn"] + [f"layers.{i}.moe.shared_experts" for i in range(1, 8)]))
+        shared = [f"layers.{i}.moe.shared_experts" for i in range(1, 8)]
+        assert owners == ([] if merged else sorted(["layers.0.ffn"] + shared))
         for n in fused:
             assert n.args[2].target == n.args[1].target.replace("gate_proj", "up_proj")
             assert n.args[3:] == ("situ_glu", 4.0, 25.0)
