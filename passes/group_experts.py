@@ -32,13 +32,17 @@ def _is(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
 
 
-def _groupable(region: list[fx.Node], num_experts: int) -> bool:
-    """Every node row-wise, and every expert matmul over stacked weights of the E experts from outside."""
+def _groupable(region: list[fx.Node], num_experts: int, combine: fx.Node) -> bool:
+    """Every node row-wise and read only inside the region (or by the combine), and every expert matmul over
+    stacked weights of the E experts from outside."""
     inside = set(region)
     for n in region:
+        if any(u not in inside and u is not combine for u in n.users):
+            return False
         if _is(n, K3.expert_matmul.default):
-            w = n.args[1]
-            if n.args[0] not in inside or w in inside or w.meta["val"].shape[0] != num_experts or w.meta["val"].dim() != 3:
+            x, w = n.args
+            val = w.meta.get("val") if isinstance(w, fx.Node) else None
+            if x not in inside or w in inside or val is None or val.dim() != 3 or val.shape[0] != num_experts:
                 return False
         elif not (n.op == "call_function" and n.target in ROW_WISE):
             return False
@@ -56,7 +60,7 @@ def _group(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node) -> bool:
     if buffer is None or len(outs) != len(dispatch.users):
         return False
     region = expert_region(buffer, combine.args[0])
-    if not region or not _groupable(region, num_experts) or any(u not in region for u in buffer.users):
+    if not region or not _groupable(region, num_experts, combine) or any(u not in region for u in buffer.users):
         return False
     users = list(buffer.users)
     hoist = users[0] if len(users) == 1 and _is(users[0], K3.mx_fake_quantize.default) else None
