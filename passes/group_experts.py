@@ -32,10 +32,10 @@ def _is(node: fx.Node, target) -> bool:
     return node.op == "call_function" and node.target is target
 
 
-def _groupable(region: list[fx.Node], num_experts: int, combine: fx.Node) -> bool:
-    """Every node row-wise and read only inside the region (or by the combine), and every expert matmul over
-    stacked weights of the E experts from outside."""
-    inside = set(region)
+def _groupable(region: list[fx.Node], buffer: fx.Node, num_experts: int, combine: fx.Node) -> bool:
+    """Every node row-wise and read only inside the region (or by the combine), and every expert matmul of the
+    buffer or a value made from it by stacked weights of the E experts from outside."""
+    inside = {*region, buffer}
     for n in region:
         if any(u not in inside and u is not combine for u in n.users):
             return False
@@ -60,7 +60,7 @@ def _group(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node) -> bool:
     if buffer is None or len(outs) != len(dispatch.users):
         return False
     region = expert_region(buffer, combine.args[0])
-    if not region or not _groupable(region, num_experts, combine) or any(u not in region for u in buffer.users):
+    if not region or not _groupable(region, buffer, num_experts, combine) or any(u not in region for u in buffer.users):
         return False
     users = list(buffer.users)
     hoist = users[0] if len(users) == 1 and _is(users[0], K3.mx_fake_quantize.default) else None

@@ -252,3 +252,13 @@ def test_rms_norm_gate_skips_a_norm_used_elsewhere(tiny_spec):
     assert fuse.run(gm, PassContext(tiny_spec))["rms_norm_gate"] == 0
     gm.recompile()
     assert gm.code == code
+
+
+def test_cpu_train_without_qat_fuses_the_down_matmul_after_glu_train(load, run_passes):
+    """Without QAT the down projection reads glu_train's output directly; it still becomes expert_matmul."""
+    spec = load("k3-tiny.yaml", "quantization.qat=false")
+    names = [p.name for p in PASSES[: FUSE + 1]]
+    gm, _, records = run_passes(spec, names, device="meta")
+    n_moe = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+    assert records[-1].statistics["expert_matmul"] == count(gm, K3.expert_matmul.default) == 3 * n_moe
+    assert not any(n.target is torch.matmul for n in gm.graph.nodes)

@@ -36,10 +36,11 @@ def step(gm, inputs, weight):
     return logits.detach(), {n: p.grad for n, p in gm.named_parameters()}, counters
 
 
-@pytest.fixture(scope="module", params=[1.5, 0.5], ids=["spec-capacity", "dropping"])
+@pytest.fixture(scope="module", params=[("moe.capacity_factor=1.5",), ("moe.capacity_factor=0.5",),
+                                        ("quantization.qat=false",)], ids=["spec-capacity", "dropping", "no-qat"])
 def graphs(request, load, run_passes):
     """(spec, the train graph with group_experts, the same graph without it, example inputs, the pass record)."""
-    spec = load("k3-tiny.yaml", f"moe.capacity_factor={request.param}")
+    spec = load("k3-tiny.yaml", *request.param)
     grouped, inputs, records = run_passes(spec, WITH)
     capacity, _, _ = run_passes(spec, WITHOUT)
     capacity.load_state_dict(grouped.state_dict(), strict=True)
@@ -53,11 +54,12 @@ def test_every_moe_runs_on_its_rows(graphs):
     assert count(grouped, K3.moe_dispatch_rows.default) == layers
     assert count(grouped, K3.moe_dispatch.default) == count(grouped, K3.expert_matmul.default) == 0
     assert count(grouped, K3.expert_rows_matmul.default) == count(capacity, K3.expert_matmul.default) == 3 * layers
-    # the buffer's activation fake quantisation moved before the dispatch: on the T tokens, not the rows
+    # with QAT the buffer's activation fake quantisation moved before the dispatch: on the T tokens, not the rows
+    qat = spec.quantization.qat
     for n in grouped.graph.nodes:
         if n.target is K3.moe_dispatch_rows.default:
             x, indices = n.args[:2]
-            assert x.target is K3.mx_fake_quantize.default
+            assert (x.target is K3.mx_fake_quantize.default) == qat
             assert x.meta["val"].shape[0] == indices.meta["val"].shape[0]  # [T, w]
             assert n.meta["val"][0].shape[0] == indices.meta["val"].numel()  # rows [T * K, w]
     assert count(grouped, K3.mx_fake_quantize.default) == count(capacity, K3.mx_fake_quantize.default)
