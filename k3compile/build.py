@@ -43,11 +43,12 @@ class UnrunnableBuild(ValueError):
 
 def pipeline() -> list[GraphPass]:
     """The passes in order: interleave ▸ attn_res ▸ shard_experts ▸ routing ▸ pack_mxfp4 ▸ fuse
-    ▸ merge_projections ▸ bind_kernels."""
-    from k3compile.passes import (attn_res, bind_kernels, fuse, interleave, merge_projections, pack_mxfp4, routing,
-                                  shard_experts)
+    ▸ group_experts ▸ merge_projections ▸ bind_kernels."""
+    from k3compile.passes import (attn_res, bind_kernels, fuse, group_experts, interleave, merge_projections,
+                                  pack_mxfp4, routing, shard_experts)
 
-    passes = (interleave, attn_res, shard_experts, routing, pack_mxfp4, fuse, merge_projections, bind_kernels)
+    passes = (interleave, attn_res, shard_experts, routing, pack_mxfp4, fuse, group_experts, merge_projections,
+              bind_kernels)
     return [m.PASS for m in passes]
 
 

@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
         "build",
         help="lower, run the pass pipeline and emit an importable package",
         description="Lower a spec to a torch.fx graph over k3 ops, run the pass pipeline (interleave, attn_res, "
-        "shard_experts, routing, pack_mxfp4, fuse, merge_projections, bind_kernels; the graph is verified after "
-        "each) and write "
+        "shard_experts, routing, pack_mxfp4, fuse, group_experts, merge_projections, bind_kernels; the graph is "
+        "verified after each) and write "
         "DIR/<spec name>/: model.py (Model, InferenceModel), manifest.json, graphs/. Full-size specs build with "
         "meta parameters (shapes only). The build is atomic and only replaces a previous build.",
     )

@@ -29,7 +29,9 @@ def const(value: float | int, like: Tensor, dtype: torch.dtype | None = None) ->
     key = (repr(value), dtype, like.device)  # repr: -0.0 and 0.0 (equal, same hash) stay apart, NaN finds itself
     t = _CACHE.get(key)
     if t is None:
-        with torch._C._DisableFuncTorch():  # a plain tensor even under torch.func (vjp, vmap): never a wrapper
+        # a plain tensor even under torch.func (vjp, vmap): never a wrapper; and a normal one even when first
+        # made under inference_mode (serving), so that autograd may save it later (training)
+        with torch._C._DisableFuncTorch(), torch.inference_mode(False):
             t = _CACHE[key] = torch.tensor(value, dtype=dtype, device=like.device)
     return t
 
@@ -44,6 +46,6 @@ def cached(key: tuple, like: Tensor, make) -> Tensor:
     key = (key, like.device)
     t = _CACHE.get(key)
     if t is None:
-        with torch._C._DisableFuncTorch():
+        with torch._C._DisableFuncTorch(), torch.inference_mode(False):
             t = _CACHE[key] = make()
     return t

@@ -108,3 +108,44 @@ def mx_expert_glu_ref(
 def mx_expert_matmul_ref(x_ECI: Tensor, data: Tensor, scale: Tensor, block: int) -> Tensor:
     """`expert_matmul_ref` with an MXFP4 weight ([E, w, I/2] uint8 + [E, w, I/block] E8M0), dequantised first."""
     return expert_matmul_ref(x_ECI, mx_dequantize_fast(data, scale, "e2m1", block, _acc_dtype(x_ECI)))
+
+
+def _groups(counts_E: Tensor) -> tuple[list[tuple[int, int, int]], int]:
+    """((expert, first row, end row) of every expert with rows, the rows they hold): one host read of the
+    counts (a CPU kernel)."""
+    out, start = [], 0
+    for e, c in enumerate(counts_E.tolist()):
+        if c:
+            out.append((e, start, start + c))
+        start += c
+    return out, start
+
+
+def expert_rows_matmul_ref(x_NI: Tensor, w_EwI: Tensor, counts_E: Tensor) -> Tensor:
+    """x @ w_e^T for each expert's rows of x sorted by expert (counts_E rows each, from row 0): [N, I] -> [N, w].
+
+    The rows past sum(counts) are zero. fp32 accumulation, x's dtype out: `expert_matmul_ref` on the rows an
+    expert actually holds, not its fixed-capacity buffer.
+    """
+    x, w = upcast(x_NI), upcast(w_EwI)
+    y = x.new_empty(x.shape[0], w.shape[-2])
+    groups, used = _groups(counts_E)
+    for e, s, t in groups:
+        torch.mm(x[s:t], w[e].T, out=y[s:t])
+    y[used:].zero_()
+    return as_dtype(y, x_NI.dtype)
+
+
+def expert_rows_matmul_bwd_ref(grads: list[Tensor], x_NI: Tensor, w_EwI: Tensor, counts_E: Tensor) -> list[Tensor]:
+    """[dx, dw] of `expert_rows_matmul_ref` for grads = [dy]: dx_e = dy_e w_e, dw_e = dy_e^T x_e; zero for an
+    expert without rows and for the rows past sum(counts)."""
+    x, w, dy = upcast(x_NI), upcast(w_EwI), upcast(grads[0])
+    dx, dw = torch.empty_like(x), torch.empty_like(w)
+    groups, used = _groups(counts_E)
+    dx[used:].zero_()
+    if len(groups) < w.shape[0]:
+        dw[counts_E == 0] = 0
+    for e, s, t in groups:
+        torch.mm(dy[s:t], w[e], out=dx[s:t])
+        torch.mm(dy[s:t].T, x[s:t], out=dw[e])
+    return [dx.to(x_NI.dtype), dw.to(w_EwI.dtype)]

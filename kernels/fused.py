@@ -8,6 +8,7 @@ from torch import Tensor
 
 from k3compile.kernels.activations import glu_grads, situ_glu_ref, swiglu_ref
 from k3compile.kernels.moe import route_ref
+from k3compile.kernels.norms import as_dtype, upcast
 
 
 def linear(x: Tensor, w: Tensor) -> Tensor:
@@ -50,3 +51,39 @@ def linear_route_ref(
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Router logits x W^T, scoring, selection bias and top-k in one op (the router's `route` after its matmul)."""
     return route_ref(linear(x, weight), bias, top_k, scoring, renormalize, routed_scale)
+
+
+def linear_route_bwd_ref(
+    grads: list[Tensor], x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool,
+    routed_scale: float,
+) -> list[Tensor]:
+    """[dx, dweight] of `linear_route_ref` for grads = [d weights [T, K], d scores [T, E]], hand-derived.
+
+    The logits and the selection are recomputed (the op saves its inputs). With raw = scores[indices] and
+    w = raw / max(sum(raw), 1e-20) (renormalize), d raw = (gw - sum(gw w)) / max(sum(raw), 1e-20), the second
+    term only where the clamp passes; d scores gets d raw added at the chosen experts; d logits is the
+    sigmoid's s (1 - s) or the softmax's s (g - sum(g s)) times it; dx = d logits W, dW = d logits^T x.
+    """
+    x2 = x.reshape(-1, x.shape[-1])
+    logits = linear(x2, weight)
+    s = torch.sigmoid(upcast(logits)) if scoring == "sigmoid" else torch.softmax(upcast(logits), dim=-1)
+    choice = s if bias is None else s + as_dtype(bias, s.dtype)
+    indices = torch.topk(choice, top_k, dim=-1).indices
+    raw = s.gather(-1, indices)
+    gw = as_dtype(grads[0].reshape(raw.shape), s.dtype)
+    if routed_scale != 1.0:
+        gw = gw * routed_scale
+    if renormalize:
+        total = raw.sum(-1, keepdim=True)
+        denom = total.clamp_min(1e-20)
+        through_sum = (gw * raw).sum(-1, keepdim=True).div_(denom).mul_(total >= 1e-20)
+        graw = (gw - through_sum).div_(denom)
+    else:
+        graw = gw
+    gs = as_dtype(grads[1].reshape(s.shape), s.dtype).scatter_add(-1, indices, graw)
+    if scoring == "sigmoid":
+        dlogits = gs.mul_(s).mul_(1 - s)
+    else:
+        dlogits = (gs - (gs * s).sum(-1, keepdim=True)).mul_(s)
+    dlogits = as_dtype(dlogits, logits.dtype)
+    return [as_dtype((dlogits @ weight).view(x.shape), x.dtype), as_dtype(dlogits.T @ x2, weight.dtype)]

@@ -122,3 +122,48 @@ def combine_ref(out_ECD: Tensor, weights_TK: Tensor, slots_TK: Tensor | None) ->
     # sum_k w_tk * out[slot_tk]: a [1, K] x [K, D] product per token, the bmm einsum("tk,tkd->td") runs
     y = torch.bmm(_shaped(as_dtype(weights_TK, acc), t, 1, k), gathered).view(t, d)
     return as_dtype(y, out_ECD.dtype)
+
+
+def _rows_layout(indices_TK: Tensor, num_experts: int, capacity_factor: float) -> tuple[Tensor, ...]:
+    """(row of each (token, choice) [T*K], sentinel T*K when dropped; token of each row [T*K], T when empty;
+    kept rows per expert [E]; load [E]; dropped []): the capacity path's kept choices, expert-major."""
+    t, k = indices_TK.shape
+    n = t * k
+    cap = expert_capacity(t, num_experts, k, capacity_factor)
+    slots, load, dropped = expert_slots(indices_TK, num_experts, cap)
+    flat, slot = indices_TK.reshape(-1), slots.reshape(-1)
+    counts = load.clamp_max(cap)
+    start = counts.cumsum(0) - counts
+    keep = slot < num_experts * cap
+    row = torch.where(keep, start[flat] + (slot - flat * cap), n)
+    token = torch.arange(n, device=flat.device) // k
+    token_of_row = torch.full((n + 1,), t, dtype=torch.int64, device=flat.device).scatter_(0, row, token)[:n]
+    # the sentinel n took any dropped token: cut off, so every row past the kept ones reads the zero row
+    return row, token_of_row, counts, load, dropped
+
+
+def dispatch_rows_ref(
+    x_TD: Tensor, indices_TK: Tensor, num_experts: int, capacity_factor: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The capacity dispatch without its empty rows: the kept (token, choice) rows sorted by expert.
+
+    Expert e's rows are [start_e, start_e + counts_e), start = exclusive cumsum of counts, in the token order
+    the capacity buffer holds them in; the T*K - sum(counts) rows after them (the dropped choices) are zero.
+    Returns (rows [T*K, D], slots [T, K] into rows (T*K for a dropped choice, what `combine_ref` reads with the
+    rows as one [1, T*K, D] buffer), counts [E] int64, load [E] int64, dropped [] int64), the load and dropped
+    count exactly `dispatch_ref`'s.
+    """
+    t, d = x_TD.shape
+    row, token_of_row, counts, load, dropped = _rows_layout(indices_TK, num_experts, capacity_factor)
+    x_pad = torch.cat([x_TD, x_TD.new_zeros(1, d)])
+    return x_pad[token_of_row], row.view_as(indices_TK), counts, load, dropped
+
+
+def dispatch_rows_bwd_ref(
+    grads: list[Tensor], x_TD: Tensor, indices_TK: Tensor, num_experts: int, capacity_factor: float
+) -> list[Tensor]:
+    """[dx] of `dispatch_rows_ref` for grads = [d rows]: each token sums its kept rows' cotangents."""
+    t, d = x_TD.shape
+    token_of_row = _rows_layout(indices_TK, num_experts, capacity_factor)[1]
+    dx = x_TD.new_zeros(t + 1, d).index_add_(0, token_of_row, grads[0].to(x_TD.dtype))
+    return [dx[:t]]

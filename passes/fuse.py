@@ -65,6 +65,8 @@ def _glu_train(gm: fx.GraphModule) -> int:
         with gm.graph.inserting_before(act):
             fused = gm.graph.call_function(K3.glu_train.default, (gate, up, kind, b1, b2))
             value = gm.graph.call_function(operator.getitem, (fused, 0))
+        if "val" in act.meta:  # the activation's shape, which the expert matmuls below it are matched by
+            value.meta["val"] = act.meta["val"]
         act.replace_all_uses_with(value)
         gm.graph.erase_node(act)
         count += 1

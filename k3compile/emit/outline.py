@@ -254,7 +254,8 @@ _SIGNATURE = re.compile(r'(\w+): "([^"]*)"')
 
 
 def symbols(gm: fx.GraphModule, spec) -> dict[str, str]:
-    """SYMBOLS, plus the decode step's routed rows (B*k for top-k routing) where no weight has that size."""
+    """SYMBOLS, plus the routed rows (B*k for top-k routing: the decode step's; B*T*k: the train graph's rows
+    sorted by expert) where no weight has that size."""
     out = dict(SYMBOLS)
     if spec.moe is None:
         return out
@@ -263,6 +264,8 @@ def symbols(gm: fx.GraphModule, spec) -> dict[str, str]:
     rows = EXAMPLE_BATCH * spec.moe.top_k
     if rows not in weights:
         out.setdefault(str(rows), f"B*{spec.moe.top_k}")
+    if rows * EXAMPLE_TOKENS not in weights:
+        out.setdefault(str(rows * EXAMPLE_TOKENS), f"B*T*{spec.moe.top_k}")
     return out
 
 

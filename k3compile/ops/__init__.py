@@ -16,13 +16,13 @@ from k3compile.ops.balancing import (
     quantile_balance_update_hist,
     sign_balance_update,
 )
-from k3compile.ops.experts import expert_glu, expert_matmul, mx_expert_glu, mx_expert_matmul
+from k3compile.ops.experts import expert_glu, expert_matmul, expert_rows_matmul, mx_expert_glu, mx_expert_matmul
 from k3compile.ops.fused import linear_glu
 from k3compile.ops.gla import gla, gla_decode_step
 from k3compile.ops.glu_train import glu_train
 from k3compile.ops.kda import kda, kda_decode_step, kda_gate
 from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
-from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, route
+from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, moe_dispatch_rows, route
 from k3compile.ops.mx import mx_dequantize, mx_fake_quantize, mx_linear, mx_quantize
 from k3compile.ops.norms import add_rms_norm, l2_norm, rms_norm, rms_norm_gate
 from k3compile.ops.short_conv import short_conv
@@ -36,6 +36,7 @@ __all__ = [
     "expert_glu",
     "expert_matmul",
     "expert_mlp",
+    "expert_rows_matmul",
     "gelu",
     "gla",
     "gla_decode_step",
@@ -51,6 +52,7 @@ __all__ = [
     "mla_rope_at",
     "moe_combine",
     "moe_dispatch",
+    "moe_dispatch_rows",
     "mx_dequantize",
     "mx_expert_glu",
     "mx_expert_matmul",

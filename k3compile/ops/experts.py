@@ -38,6 +38,16 @@ def expert_matmul_op(x: Tensor, w: Tensor) -> Tensor:
 
 
 @k3_op(
+    "expert_rows_matmul",
+    fake=lambda x, w, counts: _out(x, w.shape[-2]),
+    differentiable=("x", "w"),
+    backward=ref.expert_rows_matmul_bwd_ref,
+)
+def expert_rows_matmul_op(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
+    return ref.expert_rows_matmul_ref(x, w, counts)
+
+
+@k3_op(
     "mx_expert_glu",
     fake=lambda x, gate_data, gate_scale, up_data, up_scale, block, kind, beta1, beta2: _out(x, gate_data.shape[-2]),
 )
@@ -71,6 +81,11 @@ def expert_glu(
 def expert_matmul(x: Tensor, w: Tensor, *, backend: str = "auto") -> Tensor:
     """x W^T per expert: x [..., C, I], w [..., w, I] -> [..., C, w]."""
     return torch.ops.k3.expert_matmul.default(x, w, backend=backend)
+
+
+def expert_rows_matmul(x: Tensor, w: Tensor, counts: Tensor, *, backend: str = "auto") -> Tensor:
+    """x W_e^T for the rows of x sorted by expert, counts [E] rows each: x [N, I], w [E, w, I] -> [N, w]."""
+    return torch.ops.k3.expert_rows_matmul.default(x, w, counts, backend=backend)
 
 
 def mx_expert_glu(

@@ -1,7 +1,7 @@
 """Fused k3 ops produced by the fuse pass (references in kernels/fused.py).
 
-linear_glu's backward is hand-written (kernels.fused.linear_glu_bwd_ref); linear_route's recomputes its
-reference under torch.func.vjp (or runs the Triton module's on that backend).
+Both backwards are hand-written (kernels.fused.linear_glu_bwd_ref, linear_route_bwd_ref), or the Triton
+module's on that backend.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def _linear_route_fake(x, weight, bias, top_k, scoring, renormalize, routed_scal
     return x.new_empty(t, top_k, dtype=dt), x.new_empty(t, top_k, dtype=torch.int64), x.new_empty(t, e, dtype=dt)
 
 
-@k3_op("linear_route", fake=_linear_route_fake, differentiable=("x", "weight"))
+@k3_op("linear_route", fake=_linear_route_fake, differentiable=("x", "weight"), backward=ref.linear_route_bwd_ref)
 def linear_route_op(
     x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, scoring: str, renormalize: bool, routed_scale: float
 ) -> tuple[Tensor, Tensor, Tensor]:

@@ -50,6 +50,20 @@ def moe_dispatch_op(
     return ref.dispatch_ref(x, indices, num_experts, capacity_factor)
 
 
+def _dispatch_rows_fake(x, indices, num_experts, capacity_factor):
+    n = indices.numel()
+    load = x.new_empty(num_experts, dtype=torch.int64)
+    return (x.new_empty(n, x.shape[-1]), indices.new_empty(indices.shape, dtype=torch.int64), torch.empty_like(load),
+            load, x.new_empty((), dtype=torch.int64))  # fmt: skip
+
+
+@k3_op("moe_dispatch_rows", fake=_dispatch_rows_fake, differentiable=("x",), backward=ref.dispatch_rows_bwd_ref)
+def moe_dispatch_rows_op(
+    x: Tensor, indices: Tensor, num_experts: int, capacity_factor: float
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    return ref.dispatch_rows_ref(x, indices, num_experts, capacity_factor)
+
+
 def _combine_fake(expert_out, weights, slots):
     return expert_out.new_empty(weights.shape[0], expert_out.shape[-1])
 
@@ -89,6 +103,16 @@ def moe_dispatch(
     """
     cf = 0.0 if capacity_factor is None else float(capacity_factor)
     return torch.ops.k3.moe_dispatch.default(x, indices, num_experts, cf, backend=backend)
+
+
+def moe_dispatch_rows(
+    x: Tensor, indices: Tensor, num_experts: int, capacity_factor: float | None = None, *, backend: str = "auto"
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`moe_dispatch` without the buffer's empty rows: (rows [T*K, D] sorted by expert, the dropped choices'
+    rows zero at the end; slots [T, K] into rows for `moe_combine` over rows[None]; counts [E] rows per expert;
+    load; dropped), the same choices kept and dropped as `moe_dispatch` at this capacity."""
+    cf = 0.0 if capacity_factor is None else float(capacity_factor)
+    return torch.ops.k3.moe_dispatch_rows.default(x, indices, num_experts, cf, backend=backend)
 
 
 def moe_combine(expert_out: Tensor, weights: Tensor, slots: Tensor | None, *, backend: str = "auto") -> Tensor:

@@ -37,6 +37,16 @@ def test_const_is_cached_and_plain_under_torch_func():
     assert torch.equal(x * cached, x * 0.125)
 
 
+def test_const_first_made_under_inference_mode_serves_autograd_later():
+    """Serving (inference_mode) then training in one process: the cached scalar is a normal tensor."""
+    with torch.inference_mode():
+        c = const(0.3125, torch.ones(2))
+    assert not c.is_inference()
+    x = torch.ones(3, requires_grad=True)
+    (torch.tanh(x) * const(0.3125, x)).sum().backward()  # saving the scalar for backward must work
+    assert torch.allclose(x.grad, 0.3125 * (1 - torch.tanh(torch.ones(3)) ** 2))
+
+
 def test_const_under_fake_mode_is_fresh_and_never_cached():
     with FakeTensorMode():
         x = torch.empty(4)

@@ -1,10 +1,11 @@
-"""The fused ops' references (kernels/fused.py): linear_glu's hand-written backward against autograd and gradcheck."""
+"""The fused ops' references (kernels/fused.py): linear_glu's and linear_route's hand-written backwards against
+autograd and gradcheck."""
 
 import pytest
 import torch
 
 from k3compile.kernels.compare import autograd_grads, rel_rms
-from k3compile.kernels.fused import linear_glu_bwd_ref, linear_glu_ref
+from k3compile.kernels.fused import linear_glu_bwd_ref, linear_glu_ref, linear_route_bwd_ref, linear_route_ref
 from k3compile.ops.fused import linear_glu
 
 
@@ -33,3 +34,28 @@ def test_linear_glu_gradcheck_does_not_recompute(monkeypatch):
         assert torch.autograd.gradcheck(lambda *t: linear_glu(*t, kind, 4.0, 25.0), (x, w_gate, w_up))
     with pytest.raises(ValueError, match="kind"):
         linear_glu_bwd_ref([torch.ones(2, 3, 5)], x.detach(), w_gate.detach(), w_up.detach(), "gelu", 0.0, 0.0)
+
+
+@pytest.mark.parametrize(("scoring", "renormalize", "scale", "biased"), [
+    ("sigmoid", True, 1.0, True), ("sigmoid", False, 2.5, False), ("softmax", True, 1.0, False),
+    ("softmax", False, 2.5, True),
+])  # fmt: skip
+def test_linear_route_backward_equals_autograd_of_the_reference(scoring, renormalize, scale, biased, monkeypatch):
+    """The hand-written backward against autograd of linear_route_ref (both float outputs' cotangents), and the
+    op's gradcheck without a recompute under torch.func.vjp."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 9, 16, generator=g, dtype=torch.float64)
+    w = torch.randn(12, 16, generator=g, dtype=torch.float64).div_(4)
+    bias = torch.randn(12, generator=g, dtype=torch.float64).div_(10) if biased else None
+    args = (bias, 4, scoring, renormalize, scale)
+    gw, gs = torch.randn(18, 4, generator=g, dtype=torch.float64), torch.randn(18, 12, generator=g, dtype=torch.float64)
+    got = linear_route_bwd_ref([gw, gs], x, w, *args)
+    want = autograd_grads(lambda x, w: (lambda o: (o[0], o[2]))(linear_route_ref(x.reshape(-1, 16), w, *args)),
+                          (x, w), [gw, gs])  # fmt: skip
+    for a, b, arg in zip(got, want, (x, w), strict=True):
+        assert a.shape == arg.shape and a.dtype == arg.dtype
+        assert rel_rms(a, b) <= 1e-12
+    monkeypatch.setattr(torch.func, "vjp", lambda *a, **k: pytest.fail("linear_route's backward recomputed under vjp"))
+    x2 = x.reshape(-1, 16).requires_grad_()
+    assert torch.autograd.gradcheck(lambda x, w: (lambda o: (o[0], o[2]))(torch.ops.k3.linear_route.default(x, w, *args)),
+                                    (x2, w.requires_grad_()))  # fmt: skip

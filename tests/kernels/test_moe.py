@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from k3compile.kernels import moe as ref
+from k3compile.ops.moe import moe_dispatch_rows
 
 
 def test_route_selects_by_biased_scores_and_weights_by_unbiased():
@@ -90,3 +91,36 @@ def test_dense_capacity_never_drops():
     buffer, _, load, dropped = ref.dispatch_ref(torch.randn(9, 2), indices, 4, 0.0)
     assert buffer.shape == (4, 9, 2) and load[0].item() == 9 and dropped.item() == 0
     assert math.isclose(buffer[1:].abs().sum().item(), 0.0)
+
+
+def test_dispatch_rows_by_hand():
+    """The example above without the buffer's empty rows: expert 0's two rows, expert 1's three, expert 2's two,
+    then the dropped choice's zero row; the slots point into those rows (8 = T*K: dropped)."""
+    x = torch.arange(12.0).view(4, 3)
+    indices = torch.tensor([[0, 1], [1, 2], [1, 0], [1, 2]])
+    rows, slots, counts, load, dropped = ref.dispatch_rows_ref(x, indices, 3, 1.0)
+    assert counts.tolist() == [2, 3, 2] and load.tolist() == [2, 4, 2] and dropped.item() == 1
+    torch.testing.assert_close(rows, torch.stack([x[0], x[2], x[0], x[1], x[2], x[1], x[3], torch.zeros(3)]))
+    assert slots.tolist() == [[0, 2], [3, 5], [4, 1], [8, 6]]
+    weights = torch.tensor([[0.5, 0.5], [1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    y = ref.combine_ref(rows[None] * 10, weights, slots)  # the rows as one buffer: slot = row
+    torch.testing.assert_close(y, 10 * torch.stack([x[0], 3 * x[1], 7 * x[2], 6 * x[3]]))
+
+
+@pytest.mark.parametrize("capacity_factor", [0.5, 1.0, 0.0])
+def test_dispatch_rows_are_the_capacity_buffers_kept_rows(capacity_factor):
+    """Per expert, the rows are its capacity buffer's filled rows in order; load and dropped are dispatch_ref's;
+    the hand-written backward (each token sums its kept rows' cotangents) passes gradcheck."""
+    torch.manual_seed(4)
+    T, E, K, D = 40, 6, 3, 5
+    x = torch.randn(T, D, dtype=torch.float64, requires_grad=True)
+    indices = torch.stack([torch.randperm(E)[:K] for _ in range(T)])
+    indices[: T // 2, 0] = 0  # an overloaded expert
+    buffer, _, load, dropped = ref.dispatch_ref(x, indices, E, capacity_factor)
+    rows, slots, counts, load_r, dropped_r = ref.dispatch_rows_ref(x, indices, E, capacity_factor)
+    assert torch.equal(load_r, load) and torch.equal(dropped_r, dropped)
+    assert counts.tolist() == load.clamp_max(buffer.shape[1]).tolist()
+    kept = torch.cat([buffer[e, :n] for e, n in enumerate(counts.tolist())])
+    assert torch.equal(rows[: len(kept)], kept) and torch.equal(rows[len(kept) :], torch.zeros_like(rows[len(kept) :]))
+    assert (slots == T * K).sum().item() == dropped.item()
+    assert torch.autograd.gradcheck(lambda x: moe_dispatch_rows(x, indices, E, capacity_factor)[0], (x,))

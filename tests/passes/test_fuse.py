@@ -88,8 +88,9 @@ def test_linear_glu_fires_on_dense_and_shared_experts(tiny_spec, tiny_build, rec
 
 
 def test_cpu_train_graph_applies_every_glu_with_glu_train(tiny_spec, tiny_build, record):
-    """The CPU train graph keeps the GLU projections' matmuls (linears; expert_matmul for the stacked experts)
-    and applies each activation with glu_train, whose backward reads the derivatives it saved."""
+    """The CPU train graph keeps the GLU projections' matmuls (linears; expert_matmul for the stacked experts,
+    which group_experts then runs on the experts' rows) and applies each activation with glu_train, whose
+    backward reads the derivatives it saved."""
     n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
     gm = tiny_build["train"].gm
     glus = [n for n in gm.graph.nodes if n.target is K3.glu_train.default]
@@ -97,7 +98,7 @@ def test_cpu_train_graph_applies_every_glu_with_glu_train(tiny_spec, tiny_build,
     assert len(glus) == stats["glu_train"] == len(tiny_spec.dense_layers) + 2 * n_moe
     assert stats["linear_glu"] == stats["expert_glu"] == 0
     assert count(gm, K3.linear_glu.default) == count(gm, K3.expert_glu.default) == count(gm, K3.situ_glu.default) == 0
-    projections = {K3.expert_matmul.default, torch._C._nn.linear}
+    projections = {K3.expert_matmul.default, K3.expert_rows_matmul.default, torch._C._nn.linear}
     for n in glus:
         assert n.args[2:] == ("situ_glu", 4.0, 25.0) and {a.target for a in n.args[:2]} <= projections
         assert [u.args[1] for u in n.users] == [0]  # only the activation is read; the derivatives go to backward
@@ -134,16 +135,18 @@ def test_router_logits_scoring_bias_and_top_k_become_one_op(tiny_spec, tiny_buil
 
 def test_routed_experts_become_grouped_gemms(tiny_spec, tiny_build, record):
     """Training (CPU): expert_matmul for gate, up and down on the fake-quantised stacked weights, glu_train
-    between; inference: expert_glu + expert_matmul in their MXFP4 forms reading the packed buffers (the
+    between (run on the experts' rows by group_experts, whose dispatch reads the fake-quantised tokens); inference: expert_glu + expert_matmul in their MXFP4 forms reading the packed buffers (the
     dequantisation moves into the kernel). In the decode graph the packed data and scales are first gathered by
     the routing indices, so only the picked experts are read."""
     n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
     train = tiny_build["train"].gm
-    mms = [n for n in train.graph.nodes if n.target is K3.expert_matmul.default]
+    mms = [n for n in train.graph.nodes if n.target is K3.expert_rows_matmul.default]
     assert len(mms) == 3 * n_moe
     projs = []
     for m in mms:
-        x, w = m.args
+        x, w, _ = m.args
+        if x.target is operator.getitem:  # gate / up: the dispatched rows of the fake-quantised tokens
+            x = x.args[0].args[0]
         assert x.target is K3.mx_fake_quantize.default and w.target is K3.mx_fake_quantize.default
         projs.append(w.args[0].target.rsplit(".", 2)[-2])
         if projs[-1] != "down_proj":
@@ -250,3 +253,13 @@ def test_rms_norm_gate_skips_a_norm_used_elsewhere(tiny_spec):
     assert fuse.run(gm, PassContext(tiny_spec))["rms_norm_gate"] == 0
     gm.recompile()
     assert gm.code == code
+
+
+def test_cpu_train_without_qat_fuses_the_down_matmul_after_glu_train(load, run_passes):
+    """Without QAT the down projection reads glu_train's output directly; it still becomes expert_matmul."""
+    spec = load("k3-tiny.yaml", "quantization.qat=false")
+    names = [p.name for p in PASSES[: FUSE + 1]]
+    gm, _, records = run_passes(spec, names, device="meta")
+    n_moe = sum(spec.is_moe_layer(i) for i in range(spec.num_layers))
+    assert records[-1].statistics["expert_matmul"] == count(gm, K3.expert_matmul.default) == 3 * n_moe
+    assert not any(n.target is torch.matmul for n in gm.graph.nodes)

@@ -43,11 +43,14 @@ def rel(a, b) -> float:
 
 
 def fq_input(node) -> bool:
-    """The matmul-like `node` reads an activation fake-quantised to e4m3 (the policy's mxfp8), or the decode
-    graph's rows repeated per choice from one (quantised before the repeat: the same values)."""
+    """The matmul-like `node` reads an activation fake-quantised to e4m3 (the policy's mxfp8): directly, as the
+    decode graph's rows repeated per choice from one (quantised before the repeat: the same values), or as the
+    rows group_experts dispatches from the fake-quantised tokens."""
     x = node.args[0]
     while x.op == "call_method" and x.target in ("view", "expand", "reshape"):
         x = x.args[0]
+    if x.target is operator.getitem and x.args[0].target is K3.moe_dispatch_rows.default:
+        x = x.args[0].args[0]
     return x.target is K3.mx_fake_quantize.default and x.args[1:] == ("e4m3", 32)
 
 
@@ -124,7 +127,8 @@ def test_qat_train_fake_quantises_the_weights(tiny_spec, tiny_build, record):
     for name, node in reads.items():
         (user,) = node.users
         assert user.target is K3.mx_fake_quantize.default and user.args[1:] == ("e2m1", 32), name
-        experts = (K3.expert_glu.default, K3.expert_matmul.default)  # fuse made the matmuls grouped GEMMs
+        # fuse made the matmuls grouped GEMMs, group_experts runs them on the experts' rows
+        experts = (K3.expert_glu.default, K3.expert_matmul.default, K3.expert_rows_matmul.default)
         assert all(t.target in experts and fq_input(t) for t in user.users), name
     nodes = list(gm.graph.nodes)
     assert not any(n.target in (K3.mx_dequantize.default, K3.mx_linear.default) for n in nodes)
@@ -145,6 +149,9 @@ def test_packed_inference_logits_equal_qat_training_logits(tiny_spec, tiny_build
 
     train = copy.deepcopy(tiny_build["train"].gm)
     routing.PASS.run(train, PassContext(tiny_spec, "infer"))
+    for n in train.graph.nodes:  # group_experts' dispatch too: drop-free (its rows are then every choice)
+        if n.target is K3.moe_dispatch_rows.default:
+            n.update_arg(3, routing.DENSE)
     train.recompile()
     x = example_tokens(tiny_spec, "cpu")
     B, T = x.shape

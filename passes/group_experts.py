@@ -1,0 +1,115 @@
+"""group_experts: CPU training graphs run the routed experts on the rows they hold, not their capacity buffers.
+
+The train graph keeps the spec's expert capacity C (static shapes, the same choices dropped), so each expert's
+buffer [E, C, w] is padded with zero rows wherever an expert got fewer than C tokens: at a capacity factor of
+1.5 a third of every expert GEMM, of its fake quantisation and of its activation works on zeros, forward and
+backward. Here the dispatch becomes `moe_dispatch_rows` (the kept (token, choice) rows sorted by expert, T*K
+of them), each `expert_matmul` an `expert_rows_matmul` over each expert's own rows, and the combine reads the
+rows as one [1, T*K, w] buffer; the rows an expert holds are the same and every op between is row-wise, so
+every kept token's numbers are the capacity path's. The buffer's activation fake quantisation (blocks along
+its rows, zero for a zero row) moves before the dispatch, onto the T token rows instead of T*K.
+Only where every op between dispatch and combine is one of those row-wise ops; GPU targets keep the grouped
+Triton kernels over the buffers, inference graphs their drop-free dispatch, expert parallelism its exchanges.
+"""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+from torch import fx
+
+import k3compile.ops.experts  # noqa: F401  (registers k3::expert_rows_matmul)
+import k3compile.ops.moe  # noqa: F401  (registers k3::moe_dispatch_rows)
+from k3compile.ir.pass_manager import GraphPass, PassContext
+from k3compile.passes.shard_experts import expert_region
+
+K3 = torch.ops.k3
+ROW_WISE = (K3.glu_train.default, K3.mx_fake_quantize.default, operator.getitem)
+
+
+def _is(node: fx.Node, target) -> bool:
+    return node.op == "call_function" and node.target is target
+
+
+def _groupable(region: list[fx.Node], buffer: fx.Node, num_experts: int, combine: fx.Node) -> bool:
+    """Every node row-wise and read only inside the region (or by the combine), and every expert matmul of the
+    buffer or a value made from it by stacked weights of the E experts from outside."""
+    inside = {*region, buffer}
+    for n in region:
+        if any(u not in inside and u is not combine for u in n.users):
+            return False
+        if _is(n, K3.expert_matmul.default):
+            x, w = n.args
+            val = w.meta.get("val") if isinstance(w, fx.Node) else None
+            if x not in inside or w in inside or val is None or val.dim() != 3 or val.shape[0] != num_experts:
+                return False
+        elif not (n.op == "call_function" and n.target in ROW_WISE):
+            return False
+    return True
+
+
+NEW_INDEX = {0: 0, 1: 1, 2: 3, 3: 4}  # moe_dispatch's (buffer, slots, load, dropped) in moe_dispatch_rows' outputs
+
+
+def _group(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node) -> bool:
+    g = gm.graph
+    x, indices, num_experts, capacity_factor = dispatch.args
+    outs = {u.args[1]: u for u in dispatch.users if _is(u, operator.getitem)}
+    buffer = outs.get(0)
+    if buffer is None or len(outs) != len(dispatch.users):
+        return False
+    region = expert_region(buffer, combine.args[0])
+    if not region or not _groupable(region, buffer, num_experts, combine) or any(u not in region for u in buffer.users):
+        return False
+    users = list(buffer.users)
+    hoist = users[0] if len(users) == 1 and _is(users[0], K3.mx_fake_quantize.default) else None
+    with g.inserting_before(dispatch):
+        if hoist is not None:  # row-wise blocks, and fq(0) = 0: quantising the tokens quantises their rows
+            x = g.call_function(K3.mx_fake_quantize.default, (x, *hoist.args[1:]), dict(hoist.kwargs))
+        grouped = g.call_function(K3.moe_dispatch_rows.default, (x, indices, num_experts, capacity_factor),
+                                  dict(dispatch.kwargs))
+        counts = g.call_function(operator.getitem, (grouped, 2))
+    rows = None
+    for i, u in outs.items():
+        with g.inserting_before(u):
+            new = g.call_function(operator.getitem, (grouped, NEW_INDEX[i]))
+        rows = new if i == 0 else rows
+        u.replace_all_uses_with(new)
+        g.erase_node(u)
+    if hoist is not None:
+        hoist.replace_all_uses_with(rows)
+        g.erase_node(hoist)
+    for n in region:
+        if _is(n, K3.expert_matmul.default):
+            with g.inserting_before(n):
+                new = g.call_function(K3.expert_rows_matmul.default, (*n.args, counts), dict(n.kwargs))
+            n.replace_all_uses_with(new)
+            g.erase_node(n)
+    with g.inserting_before(combine):
+        as_buffer = g.call_method("unsqueeze", (combine.args[0], 0))  # [1, T*K, w]: one buffer, slot = row
+    combine.update_arg(0, as_buffer)
+    g.erase_node(dispatch)
+    return True
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
+    stats = {"grouped": 0}
+    if ctx.target != "cpu" or ctx.graph != "train" or gm.meta.get("expert_parallel"):
+        return stats
+    for combine in [n for n in gm.graph.nodes if _is(n, K3.moe_combine.default)]:
+        slots = combine.args[2]
+        dispatch = slots.args[0] if isinstance(slots, fx.Node) and _is(slots, operator.getitem) else None
+        if dispatch is not None and _is(dispatch, K3.moe_dispatch.default) and _group(gm, dispatch, combine):
+            stats["grouped"] += 1
+    return stats
+
+
+PASS = GraphPass(
+    name="group_experts",
+    summary="CPU training: the routed experts run on the rows each holds (sorted by expert), not on zero-padded "
+    "capacity buffers",
+    preserves_numerics=True,
+    statistics=("grouped",),
+    run=run,
+)
