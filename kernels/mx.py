@@ -291,13 +291,15 @@ def _round_to_grid_(m: Tensor, f: MXFormat) -> Tensor:
     return m
 
 
-def _fast_elements(x: Tensor, f: MXFormat, block: int) -> tuple[Tensor, Tensor, Tensor]:
-    """(element values [..., nb, block] fp32 on the grid, signed; block amax and E8M0 byte << 23, [..., nb, 1]).
+def _fast_elements(x: Tensor, f: MXFormat, block: int) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(element values [..., nb, block] fp32 on the grid, signed; block amax, E8M0 byte << 23 and 2^-shared,
+    [..., nb, 1]).
 
     Exact in fp32 because x is fp32-representable: m = x * 2^-shared with -shared in [-125, 127] is exact
     unless |m| < 2^-126, far below half the smallest element step, where both round to the same signed 0;
     |m| < 2^(emax+1), and saturating to +-max before rounding gives what saturating after it does.
-    Elements of NaN/Inf blocks are junk: the callers zero (payload) or NaN (fake-quant) the whole block.
+    amax * 0 (0, or NaN for a NaN/Inf block) added to 2^-shared makes those blocks' elements NaN: the
+    callers zero them (payload) or keep them (fake-quant).
     """
     xf = x if x.dtype == torch.float32 else x.to(torch.float32)
     if not xf.is_contiguous():
@@ -305,8 +307,9 @@ def _fast_elements(x: Tensor, f: MXFormat, block: int) -> tuple[Tensor, Tensor, 
     *lead, n = xf.shape
     xb = xf.view(*lead, n // block, block)
     amax, byte_bits, inv_scale = _fast_scales(xb, f)
+    inv_scale.addcmul_(amax, const(0.0, amax))
     m = torch.mul(xb, inv_scale) if xf is x else xb.mul_(inv_scale)  # xf is a fresh copy unless x was contiguous fp32
-    return _round_to_grid_(m.clamp_min_(-f.max).clamp_max_(f.max), f), amax, byte_bits  # scalar clamps: no cast
+    return _round_to_grid_(m.clamp_(-f.max, f.max), f), amax, byte_bits, inv_scale  # scalar clamp: no cast
 
 
 def _e2m1_codes_fast(q: Tensor) -> Tensor:
@@ -325,7 +328,7 @@ def mx_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tens
     f = check_mx_shape(x.shape[-1], fmt, block)
     if x.dtype not in FAST_DTYPES:
         return mx_quantize_ref(x, fmt, block)
-    q, amax, byte_bits = _fast_elements(x, f, block)
+    q, amax, byte_bits, _ = _fast_elements(x, f, block)
     b = byte_bits.bitwise_right_shift_(23).masked_fill_(~torch.isfinite(amax), E8M0_NAN)
     finite = b != E8M0_NAN  # NaN/Inf blocks get an all-zero payload
     scale = b.squeeze(-1).to(torch.uint8)
@@ -370,21 +373,14 @@ def mx_fake_quantize_fast(x: Tensor, fmt: str, block: int = 32) -> Tensor:
     """`mx_fake_quantize_ref` with the same bits in one fp32 pass (no packed payload), for QAT.
 
     Element value over 2^-shared is exact in fp32: it is the element times 2^shared (2^-127 for byte 0; see
-    `mx_dequantize_fast`), and 2^-shared a normal power of two. amax * 0 (0, or NaN for a NaN/Inf block)
-    added to 2^-shared NaNs those blocks whole.
+    `mx_dequantize_fast`), and 2^-shared a normal power of two. NaN/Inf blocks come out NaN whole
+    (`_fast_elements`).
     """
     f = check_mx_shape(x.shape[-1], fmt, block)
     if x.dtype not in FAST_DTYPES:
         return mx_fake_quantize_ref(x, fmt, block)
-    xf = x if x.dtype == torch.float32 else x.to(torch.float32)
-    if not xf.is_contiguous():
-        xf = xf.contiguous()
-    *lead, n = xf.shape
-    xb = xf.view(*lead, n // block, block)
-    amax, _, inv_scale = _fast_scales(xb, f)
-    inv_scale.addcmul_(amax, const(0.0, amax))
-    m = torch.mul(xb, inv_scale) if xf is x else xb.mul_(inv_scale)  # xf is a fresh copy unless x was contiguous fp32
-    y = _round_to_grid_(m.clamp_(-f.max, f.max), f).div_(inv_scale).view(x.shape)  # one clamp: no cast
+    q, _, _, inv_scale = _fast_elements(x, f, block)
+    y = q.div_(inv_scale).view(x.shape)
     return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 

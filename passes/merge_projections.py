@@ -7,9 +7,10 @@ down projection and the shared experts' gate/up (`linear_glu`). Each such group 
 the transpose of a buffer stacking the members' weights by rows (`<owner>.merged_proj`, held as its
 [in, out] view), split back into the members' outputs; a `linear_glu` member keeps its activation as
 `situ_glu` / `swiglu`. A projection alone on its input is a group of one: `torch.mm` on the held
-transpose is three aten calls where `F.linear` is eight (eleven on a 3-D input). The emitted
-InferenceModel holds each member weight as a view of its rows of that buffer (`MERGED`), so no weight is
-held twice and parameter names and checkpoints are unchanged. Prefill and training keep one matmul per
+transpose is three aten calls where `F.linear` is eight (eleven on a 3-D input). Consecutive members each
+read by a short convolution of the same width (KDA's q, k, v) stay one piece of the product, convolved once
+over their channels. The emitted InferenceModel holds each member weight as a view of its rows of that
+buffer (`MERGED`), so no weight is held twice and parameter names and checkpoints are unchanged. Prefill and training keep one matmul per
 weight: there the matmuls are compute-bound and their separate outputs are contiguous.
 """
 
