@@ -18,7 +18,8 @@ the whole step, each in process CPU seconds (all threads, user + system: the num
 machine) and wall seconds; tokens/s = batch * seq / median wall step seconds; the first step's loss (the
 rows compute the same loss). The timed steps run round-robin over the rows, one step of each in turn, so a
 change in a shared machine's load falls on every row alike; the last lines give each row's fwd+bwd CPU
-seconds over the emitted Model's. The header names the CPU
+seconds over the emitted Model's, as the ratio of the medians and round by round (the median and range of the
+per-round ratios: their spread is the measurement's noise). The header names the CPU
 capability torch dispatches to, the thread count, the CPU time of one bf16 and one fp32 Gram matmul (a
 256 x 768 Newton-Schulz step: bf16 is native where the two are close, emulated where it is 5-45x slower)
 and the precision Muon's Newton-Schulz runs in (see `training.muon_precision`). Nothing here is asserted on.
@@ -179,7 +180,9 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
     base = statistics.median(t[0] for t in times["emitted"])
     for name in steppers:
         if name != "emitted":
-            print(f"fwd+bwd CPU s {name} / emitted: {statistics.median(t[0] for t in times[name]) / base:.2f}x")
+            paired = sorted(t[0] / e[0] for t, e in zip(times[name], times["emitted"]))
+            print(f"fwd+bwd CPU s {name} / emitted: {statistics.median(t[0] for t in times[name]) / base:.2f}x "
+                  f"(round by round: median {statistics.median(paired):.2f}x, range {paired[0]:.2f}-{paired[-1]:.2f}x)")
 
 
 if __name__ == "__main__":

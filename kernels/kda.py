@@ -217,15 +217,25 @@ def _all_shapes(B: int, T: int, H: int, K: int, V: int, C: int) -> list[tuple[in
             (2, *lead, C, C), (*lead, C, C), (*lead, C, K + V), (*lead, C, V), (*lead, K, K), (*lead, K, V)]
 
 
+def chunk_for(T: int, chunk_size: int) -> int:
+    """The chunk the forward runs for T tokens: chunk_size, or for a shorter sequence the smallest power of two
+    holding it (at least the base block). Zero-padding a short sequence to a full chunk only adds work: the
+    chunk's pairwise terms grow as C^2, so 16 tokens in a chunk of 64 cost several times those in one of 16.
+    A symbolic T (torch.export's dynamic length) keeps chunk_size: choosing by it would specialise the length."""
+    if not isinstance(T, int):
+        return chunk_size
+    return min(chunk_size, max(_BASE, 1 << max(T - 1, 0).bit_length()))
+
+
 def keeps_everything(B: int, T: int, H: int, chunk_size: int) -> bool:
     """Whether the forward keeps ChunkSaved whole (else ChunkStates): when the sequence is one block."""
-    N = -(-T // chunk_size)
+    N = -(-T // chunk_for(T, chunk_size))
     return _block_chunks(B, H, N) == N
 
 
 def chunk_saved_shapes(B: int, T: int, H: int, K: int, V: int, chunk_size: int) -> list[tuple[int, ...]]:
     """Shapes of what the forward keeps, in order (for the op's fake impl): ChunkSaved's or ChunkStates'."""
-    shapes = _all_shapes(B, T, H, K, V, chunk_size)
+    shapes = _all_shapes(B, T, H, K, V, chunk_for(T, chunk_size))
     return shapes if keeps_everything(B, T, H, chunk_size) else [shapes[6], shapes[10]]
 
 
@@ -507,7 +517,7 @@ def kda_chunk_fwd(
 ) -> tuple[Tensor, Tensor, ChunkSaved | ChunkStates]:
     """Chunkwise-parallel KDA (UT transform): (o_BTHV in v's dtype, final state, what the backward needs).
 
-    Per chunk (C tokens, Gamma = exp of the in-chunk cumulative log decay G):
+    Per chunk (C = `chunk_for(T, chunk_size)` tokens, Gamma = exp of the in-chunk cumulative log decay G):
       X = [W | U] = (I + Diag(beta) A_kk)^-1 Diag(beta) [Gamma*K | V]   (A_kk strictly lower)
       pseudo-values V' = U - W S;  O = (Gamma*Q) S + A_qk V';  S <- Diag(gamma_C) S + (Gamma_{i->C} K)^T V'.
     Everything that does not depend on the carried state is computed for many chunks at once; the chunk
@@ -523,7 +533,7 @@ def kda_chunk_fwd(
     dtype = _compute_dtype(q_BTHK)
     B, T, H, K = q_BTHK.shape
     V = v_BTHV.shape[-1]
-    C = chunk_size
+    C = chunk_for(T, chunk_size)
     scale = K**-0.5 if scale is None else scale
     if T == 0:  # no chunk to run: no output, and the state passes through unchanged (as the recurrence)
         saved = chunk_saved([q_BTHK.new_empty(s, dtype=dtype) for s in chunk_saved_shapes(B, T, H, K, V, C)])

@@ -19,6 +19,7 @@ from k3compile.kernels.kda import (
     _unit_lower_inverse,
     kda_chunk_bwd,
     kda_chunk_fwd,
+    chunk_for,
     kda_chunk_ref,
     kda_decode_step_ref,
     kda_gate_ref,
@@ -81,6 +82,18 @@ def test_chunk_and_recurrent_match_naive_float64(T, chunk_size):
     for got, want in ((o_c, o_n), (S_c, S_n), (o_r, o_n), (S_r, S_n)):
         assert got.dtype == F64
         assert _rel(got, want) < 1e-12
+
+
+@pytest.mark.parametrize("T, want", [(0, 8), (1, 8), (9, 16), (16, 16), (17, 32), (33, 64), (64, 64), (130, 64)])
+def test_a_short_sequence_runs_the_smallest_chunk_that_holds_it(T, want):
+    """chunk_for: a sequence shorter than chunk_size is one chunk of the next power of two (at least 8), not a
+    zero-padded chunk of 64; the forward keeps that chunk's shapes and gives the chunk-64 result."""
+    assert chunk_for(T, 64) == want and chunk_for(T, 4) == 4
+    q, k, v, g, beta, S0 = _inputs(T=T)
+    o, S, saved = kda_chunk_fwd(q, k, v, g, beta, None, S0, 64)
+    o_w, S_w, _ = kda_chunk_fwd(q, k, v, g, beta, None, S0, want)
+    assert torch.equal(o, o_w) and torch.equal(S, S_w)
+    assert saved.M.shape[-1] == want and [tuple(t.shape) for t in saved] == chunk_saved_shapes(2, T, 2, 8, 4, 64)
 
 
 def test_decode_step_is_one_recurrent_step():
