@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*)
+from k3compile.kernels.kda import chunk_for
 from k3compile.ops.kda import kda
 
 Times = tuple[float, float]  # (wall, CPU) seconds
@@ -103,7 +104,7 @@ def run_kda(args: argparse.Namespace) -> list[tuple[str, Times, float]]:
     a, b = torch.randn(n, n), torch.randn(n, n)
     rows = [(f"matmul fp32 {n}x{n}x{n}", median_seconds(lambda: a @ b, args.repeats), 2.0 * n**3)]
     inputs = kda_inputs(B, T, H, K)
-    flops = kda_flops(B, T, H, K, C)
+    flops = kda_flops(B, T, H, K, chunk_for(T, C))  # the chunk a short sequence runs
     with torch.no_grad():
         rows.append(("kda chunk fwd", median_seconds(lambda: kda(*inputs, chunk_size=C), args.repeats), flops))
         if not args.no_recurrent:
@@ -123,7 +124,9 @@ def run_kda(args: argparse.Namespace) -> list[tuple[str, Times, float]]:
 def render_kda(rows: list[tuple[str, Times, float]], args: argparse.Namespace) -> None:
     peak = rows[0][2] / rows[0][1][0]
     tokens = args.batch * args.seq
-    title = header(f"KDA on CPU: B={args.batch} T={args.seq} H={args.heads} K=V={args.head_dim} C={args.chunk}")
+    runs = chunk_for(args.seq, args.chunk)
+    chunk = f"C={args.chunk}" + (f" (runs {runs}: T is shorter)" if runs != args.chunk else "")
+    title = header(f"KDA on CPU: B={args.batch} T={args.seq} H={args.heads} K=V={args.head_dim} {chunk}")
     body = []
     for name, (sec, cpu), flops in rows:
         is_mm = name.startswith("matmul")
