@@ -34,6 +34,11 @@ class FirstValue(nn.Module):
         return logits
 
 
+def scored_positions(labels):
+    """Positions of one sequence whose label is scored."""
+    return (labels != IGNORE).nonzero().flatten().tolist()
+
+
 def test_the_answer_after_a_query_is_never_shown():
     tokens, labels = TASK.sample(64, torch.Generator().manual_seed(0))
     D, half = TASK.num_kv_pairs, TASK.vocab // 2
@@ -46,10 +51,6 @@ def test_the_answer_after_a_query_is_never_shown():
         pairs = dict(zip(row[0 : 2 * D : 2].tolist(), row[1 : 2 * D : 2].tolist()))
         for t in scored_positions(lab):
             assert int(lab[t]) == pairs[int(row[t - 1])]  # the label is the value bound to the query key
-
-
-def scored_positions(labels):
-    return (labels != IGNORE).nonzero().flatten().tolist()
 
 
 def test_recall_scores_every_query_and_a_fixed_guess_only_its_luck():
