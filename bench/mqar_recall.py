@@ -6,10 +6,9 @@
     python bench/mqar_recall.py specs/k3-tiny.yaml --mqar 4,16,4,16 --steps 150 --set num_layers=4 ...
 
 Trains as a study's MQAR run does (the trainer's step, seed 0 unless --seed, one torch thread by default) and
-prints, every --every steps, the held-out accuracy of the first, second, ... query of each sequence. With every key
-queried, the last query's value is the one not given yet, so a model that binds no key still gets the last
-query right while the first stays at chance (1 / num_kv_pairs). Prints the CPU capability, threads, CPU and
-wall seconds. Nothing here is asserted on.
+prints, every --every steps, the held-out accuracy of the first, second, ... query of each sequence: a model that
+binds keys gets every query right, one that binds none stays at chance (about 1 / num_kv_pairs) on each. Prints
+the CPU capability, threads, CPU and wall seconds. Nothing here is asserted on.
 """
 
 from __future__ import annotations

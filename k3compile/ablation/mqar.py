@@ -1,9 +1,11 @@
 """MQAR, multi-query associative recall (the synthetic recall task of Zoology, Arora et al. 2023), procedural.
 
 A sequence opens with `num_kv_pairs` key-value pairs `k1 v1 k2 v2 ...` (distinct keys, values drawn with
-replacement), then `num_queries` of those keys reappear at random places in the rest of the sequence, each
-followed by its value; every other position holds the filler token 0. Only the values after a query are scored:
-the labels are -100 (ignored) everywhere else, so a model must recall the value bound to the key it sees. Keys
+replacement), then `num_queries` distinct keys of those reappear at random even offsets of the rest of the sequence;
+every other position, the one after each query included, holds the filler token 0. As in Zoology, the answer is
+never shown: the label of the position after a query is its key's value (predicted at the query), -100 (ignored)
+everywhere else, so a model must recall the value bound to the key it sees; with the answers hidden, none can be
+had by elimination (naming the one value not asked for yet). Keys
 come from tokens [1, 1 + vocab/2), values from [1 + vocab/2, 1 + vocab): disjoint, inside the byte vocabulary.
 Accuracy is the fraction of queried values predicted exactly (argmax) on held-out sequences, drawn from a
 generator with another seed than training's.
@@ -57,7 +59,6 @@ class MQAR:
         which = torch.rand(batch, D, generator=generator).argsort(-1)[:, :Q]
         rows = torch.arange(batch)[:, None]
         tokens[rows, where] = keys.gather(1, which)
-        tokens[rows, where + 1] = values.gather(1, which)
         labels = torch.full_like(tokens, IGNORE)
         labels[rows, where + 1] = values.gather(1, which)
         return tokens, labels
@@ -112,8 +113,7 @@ def accuracy(model, batches: list[tuple[Tensor, Tensor]]) -> float:
 def accuracy_by_query(model, batches: list[tuple[Tensor, Tensor]]) -> list[float]:
     """Accuracy of the first, second, ... query of each sequence (in the order they appear).
 
-    Tells recall from elimination: with every key queried, the last query's value is the one not yet given,
-    so a model that cannot bind keys still gets it right while the first stays at chance.
+    Tells whether recall holds over the query region: a model that binds keys gets every query right.
     """
     right: list[int] = []
     total: list[int] = []
