@@ -1,14 +1,13 @@
 """MQAR, multi-query associative recall (the synthetic recall task of Zoology, Arora et al. 2023), procedural.
 
 A sequence opens with `num_kv_pairs` key-value pairs `k1 v1 k2 v2 ...` (distinct keys, values drawn with
-replacement), then `num_queries` distinct keys of those reappear at random even offsets of the rest of the sequence;
-every other position, the one after each query included, holds the filler token 0. As in Zoology, the answer is
-never shown: the label of the position after a query is its key's value (predicted at the query), -100 (ignored)
-everywhere else, so a model must recall the value bound to the key it sees; with the answers hidden, none can be
-had by elimination (naming the one value not asked for yet). Keys
-come from tokens [1, 1 + vocab/2), values from [1 + vocab/2, 1 + vocab): disjoint, inside the byte vocabulary.
-Accuracy is the fraction of queried values predicted exactly (argmax) on held-out sequences, drawn from a
-generator with another seed than training's.
+replacement), then `num_queries` distinct keys of those reappear at random even offsets of the rest of the
+sequence; every other position, the one after each query included, holds the filler token 0. As in Zoology, the
+answer is never shown: the label of the position after a query is its key's value (predicted at the query),
+-100 (ignored) everywhere else, so a model must recall the value bound to the key it sees, and no query can be
+answered by elimination (naming the one value not asked for yet). Keys come from tokens [1, 1 + vocab/2), values
+from [1 + vocab/2, 1 + vocab): disjoint, inside the byte vocabulary. Accuracy is the fraction of queried values
+predicted exactly (argmax) on held-out sequences, drawn from a generator with another seed than training's.
 """
 
 from __future__ import annotations
