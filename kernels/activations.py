@@ -38,6 +38,11 @@ def swiglu_ref(gate: Tensor, up: Tensor) -> Tensor:
     return as_dtype(F.silu(upcast(gate)) * upcast(up), gate.dtype)
 
 
+def glu_ref(gate: Tensor, up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
+    """act(gate, up) for a GLU kind (check_glu_kind first): situ_glu with its betas, or swiglu (betas unused)."""
+    return situ_glu_ref(gate, up, beta1, beta2) if kind == "situ_glu" else swiglu_ref(gate, up)
+
+
 def gelu_ref(x: Tensor, approximate: str) -> Tensor:
     """GELU; approximate="none" is the exact erf form, "tanh" the tanh approximation (as torch.nn.GELU)."""
     return as_dtype(F.gelu(upcast(x), approximate=approximate), x.dtype)

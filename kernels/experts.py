@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from k3compile.kernels.activations import check_glu_kind, glu_grads, situ_glu_ref, swiglu_ref
+from k3compile.kernels.activations import check_glu_kind, glu_grads, glu_ref
 from k3compile.kernels.mx import mx_dequantize_fast
 from k3compile.kernels.norms import FEW_ROWS, as_dtype, upcast, upcast_dtype
 
@@ -36,12 +36,8 @@ def expert_glu_ref(
     """
     check_glu_kind(kind, "expert GLU")
     x = upcast(x_ECw)
-    return as_dtype(_glu(_matmul_t(x, upcast(w_gate_EIw)), _matmul_t(x, upcast(w_up_EIw)), kind, beta1, beta2),
+    return as_dtype(glu_ref(_matmul_t(x, upcast(w_gate_EIw)), _matmul_t(x, upcast(w_up_EIw)), kind, beta1, beta2),
                     x_ECw.dtype)
-
-
-def _glu(gate: Tensor, up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
-    return situ_glu_ref(gate, up, beta1, beta2) if kind == "situ_glu" else swiglu_ref(gate, up)
 
 
 def expert_matmul_ref(x_ECI: Tensor, w_EwI: Tensor) -> Tensor:
@@ -100,7 +96,7 @@ def mx_expert_glu_ref(
                                "e2m1", block, acc)
         rows = gate_data.shape[-2]
         gate, up = _matmul_t(upcast(x_ECw), w).split([rows, rows], dim=-1)  # sizes: split_with_sizes, 4 calls fewer
-        return as_dtype(_glu(gate, up, kind, beta1, beta2), x_ECw.dtype)
+        return as_dtype(glu_ref(gate, up, kind, beta1, beta2), x_ECw.dtype)
     w_gate = mx_dequantize_fast(gate_data, gate_scale, "e2m1", block, acc)
     w_up = mx_dequantize_fast(up_data, up_scale, "e2m1", block, acc)
     return expert_glu_ref(x_ECw, w_gate, w_up, kind, beta1, beta2)

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from k3compile.kernels.activations import glu_grads, situ_glu_ref, swiglu_ref
+from k3compile.kernels.activations import check_glu_kind, glu_grads, glu_ref
 from k3compile.kernels.moe import route_ref
 from k3compile.kernels.norms import as_dtype, upcast
 
@@ -21,12 +21,8 @@ def linear(x: Tensor, w: Tensor) -> Tensor:
 
 def linear_glu_ref(x: Tensor, w_gate: Tensor, w_up: Tensor, kind: str, beta1: float, beta2: float) -> Tensor:
     """act(x W_gate^T, x W_up^T) for kind 'situ_glu' (with its betas) or 'swiglu'."""
-    gate, up = linear(x, w_gate), linear(x, w_up)
-    if kind == "situ_glu":
-        return situ_glu_ref(gate, up, beta1, beta2)
-    if kind == "swiglu":
-        return swiglu_ref(gate, up)
-    raise ValueError(f"linear_glu kind must be situ_glu or swiglu, got {kind!r}")
+    check_glu_kind(kind, "linear_glu")
+    return glu_ref(linear(x, w_gate), linear(x, w_up), kind, beta1, beta2)
 
 
 def linear_glu_bwd_ref(
@@ -37,8 +33,7 @@ def linear_glu_bwd_ref(
     The projections are recomputed (the op saves only its inputs); the GLU's gradients are taken in fp32 and
     rounded to the projections' dtype, where the matmuls run, as autograd of the composition would.
     """
-    if kind not in ("situ_glu", "swiglu"):
-        raise ValueError(f"linear_glu kind must be situ_glu or swiglu, got {kind!r}")
+    check_glu_kind(kind, "linear_glu")
     x2 = x.reshape(-1, x.shape[-1])
     gate, up = F.linear(x2, w_gate), F.linear(x2, w_up)
     dgate, dup = (d.to(gate.dtype) for d in glu_grads(grads[0].reshape(gate.shape), gate, up, kind, beta1, beta2))
