@@ -107,7 +107,7 @@ def mx_expert_matmul_ref(x_ECI: Tensor, data: Tensor, scale: Tensor, block: int)
     return expert_matmul_ref(x_ECI, mx_dequantize_fast(data, scale, "e2m1", block, _acc_dtype(x_ECI)))
 
 
-def _groups(counts_E: Tensor) -> tuple[list[tuple[int, int, int]], int]:
+def expert_groups(counts_E: Tensor) -> tuple[list[tuple[int, int, int]], int]:
     """((expert, first row, end row) of every expert with rows, the rows they hold): one host read of the
     counts (a CPU kernel)."""
     out, start = [], 0
@@ -126,7 +126,7 @@ def expert_rows_matmul_ref(x_NI: Tensor, w_EwI: Tensor, counts_E: Tensor) -> Ten
     """
     x, w = upcast(x_NI), upcast(w_EwI)
     y = x.new_empty(x.shape[0], w.shape[-2])
-    groups, used = _groups(counts_E)
+    groups, used = expert_groups(counts_E)
     for e, s, t in groups:
         torch.mm(x[s:t], w[e].T, out=y[s:t])
     y[used:].zero_()
@@ -138,7 +138,7 @@ def expert_rows_matmul_bwd_ref(grads: list[Tensor], x_NI: Tensor, w_EwI: Tensor,
     expert without rows and for the rows past sum(counts)."""
     x, w, dy = upcast(x_NI), upcast(w_EwI), upcast(grads[0])
     dx, dw = torch.empty_like(x), torch.empty_like(w)
-    groups, used = _groups(counts_E)
+    groups, used = expert_groups(counts_E)
     dx[used:].zero_()
     if len(groups) < w.shape[0]:
         dw[counts_E == 0] = 0

@@ -42,6 +42,22 @@ def _swiglu(g: Tensor, u: Tensor, y: Tensor, jg: Tensor, ju: Tensor, s: list[Ten
     torch.mul(ju, u, out=y)
 
 
+def glu_fill(g: Tensor, u: Tensor, y: Tensor, jg: Tensor, ju: Tensor, kind: str, beta1: float, beta2: float) -> None:
+    """y, dy/dg, dy/du of act(g, u) into y, jg, ju: flat contiguous tensors of the compute dtype, in chunks of
+    CHUNK elements through three scratch chunks (kind checked by the caller)."""
+    n = g.numel()
+    size = max(1, min(CHUNK, n))
+    scratch = [g.new_empty(size) for _ in range(3)]
+    for i in range(0, n, size):
+        j = min(i + size, n)
+        s = [t[: j - i] for t in scratch]
+        parts = (g[i:j], u[i:j], y[i:j], jg[i:j], ju[i:j])
+        if kind == "situ_glu":
+            _situ(*parts, s, beta1, beta2)
+        else:
+            _swiglu(*parts, s)
+
+
 def glu_train_ref(gate: Tensor, up: Tensor, kind: str, beta1: float, beta2: float) -> tuple[Tensor, Tensor, Tensor]:
     """(act(gate, up) in gate's dtype, dy/dgate, dy/dup in the compute dtype, fp32 at least).
 
@@ -49,20 +65,10 @@ def glu_train_ref(gate: Tensor, up: Tensor, kind: str, beta1: float, beta2: floa
     """
     check_glu_kind(kind, "glu_train")
     acc = upcast_dtype(gate.dtype)
+    y, jg, ju = (torch.empty(gate.shape, dtype=acc, device=gate.device) for _ in range(3))
     g = gate.to(acc).contiguous().view(-1)
     u = up.to(acc).contiguous().view(-1)
-    y, jg, ju = (torch.empty(gate.shape, dtype=acc, device=gate.device) for _ in range(3))
-    n = g.numel()
-    size = max(1, min(CHUNK, n))
-    scratch = [torch.empty(size, dtype=acc, device=gate.device) for _ in range(3)]
-    for i in range(0, n, size):
-        j = min(i + size, n)
-        s = [t[: j - i] for t in scratch]
-        parts = (g[i:j], u[i:j], y.view(-1)[i:j], jg.view(-1)[i:j], ju.view(-1)[i:j])
-        if kind == "situ_glu":
-            _situ(*parts, s, beta1, beta2)
-        else:
-            _swiglu(*parts, s)
+    glu_fill(g, u, y.view(-1), jg.view(-1), ju.view(-1), kind, beta1, beta2)
     return y.to(gate.dtype), jg, ju
 
 

@@ -10,6 +10,9 @@ every kept token's numbers are the capacity path's. The buffer's activation fake
 its rows, zero for a zero row) moves before the dispatch, onto the T token rows instead of T*K.
 Only where every op between dispatch and combine is one of those row-wise ops; GPU targets keep the grouped
 Triton kernels over the buffers, inference graphs their drop-free dispatch, expert parallelism its exchanges.
+Then each expert FFN chain on the rows (gate and up expert_rows_matmul, glu_train, the activation's fake
+quantisation, the down expert_rows_matmul) becomes one `expert_rows_ffn`, which runs a few experts at a time
+through the whole chain while their rows are in cache, with the chain's numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import operator
 import torch
 from torch import fx
 
-import k3compile.ops.experts  # noqa: F401  (registers k3::expert_rows_matmul)
+import k3compile.ops.experts  # noqa: F401  (registers k3::expert_rows_matmul, k3::expert_rows_ffn)
 import k3compile.ops.moe  # noqa: F401  (registers k3::moe_dispatch_rows)
 from k3compile.ir.pass_manager import GraphPass, PassContext
 from k3compile.passes.shard_experts import expert_region
@@ -93,8 +96,44 @@ def _group(gm: fx.GraphModule, dispatch: fx.Node, combine: fx.Node) -> bool:
     return True
 
 
+def _sole_user(node: fx.Node) -> fx.Node | None:
+    return next(iter(node.users)) if len(node.users) == 1 else None
+
+
+def _fuse_ffn(g: fx.Graph, gate: fx.Node) -> bool:
+    """gate = expert_rows_matmul(x, Wg, counts) at the head of gate/up -> glu_train -> [mx_fake_quantize] -> down:
+    the chain becomes k3::expert_rows_ffn, when nothing else reads its intermediates."""
+    glu = _sole_user(gate)
+    if glu is None or not _is(glu, K3.glu_train.default) or glu.args[0] is not gate or glu.kwargs:
+        return False
+    up, kind, b1, b2 = glu.args[1:]
+    x, _, counts = gate.args
+    if not _is(up, K3.expert_rows_matmul.default) or up.args[0] is not x or up.args[2] is not counts:
+        return False
+    act = _sole_user(glu)
+    if _sole_user(up) is not glu or act is None or not _is(act, operator.getitem) or act.args[1] != 0:
+        return False
+    quant, fmt, block = None, None, 0  # block: unused without a quantisation
+    down = _sole_user(act)
+    if down is not None and _is(down, K3.mx_fake_quantize.default) and not down.kwargs:
+        quant, (fmt, block) = down, down.args[1:]
+        down = _sole_user(quant)
+    if down is None or not _is(down, K3.expert_rows_matmul.default) or down.args[2] is not counts or down.kwargs:
+        return False
+    with g.inserting_before(down):
+        ffn = g.call_function(K3.expert_rows_ffn.default,
+                              (x, gate.args[1], up.args[1], down.args[1], counts, kind, b1, b2, fmt, block))
+        out = g.call_function(operator.getitem, (ffn, 0))
+    out.meta.update(down.meta)
+    down.replace_all_uses_with(out)
+    for dead in (down, quant, act, glu, up, gate):
+        if dead is not None:
+            g.erase_node(dead)
+    return True
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
-    stats = {"grouped": 0}
+    stats = {"grouped": 0, "ffn": 0}
     if ctx.target != "cpu" or ctx.graph != "train" or gm.meta.get("expert_parallel"):
         return stats
     for combine in [n for n in gm.graph.nodes if _is(n, K3.moe_combine.default)]:
@@ -102,14 +141,17 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
         dispatch = slots.args[0] if isinstance(slots, fx.Node) and _is(slots, operator.getitem) else None
         if dispatch is not None and _is(dispatch, K3.moe_dispatch.default) and _group(gm, dispatch, combine):
             stats["grouped"] += 1
+    for gate in [n for n in gm.graph.nodes if _is(n, K3.expert_rows_matmul.default)]:
+        if _fuse_ffn(gm.graph, gate):  # a member of a chain fused before has no users left: skipped
+            stats["ffn"] += 1
     return stats
 
 
 PASS = GraphPass(
     name="group_experts",
     summary="CPU training: the routed experts run on the rows each holds (sorted by expert), not on zero-padded "
-    "capacity buffers",
+    "capacity buffers, each expert FFN as one op",
     preserves_numerics=True,
-    statistics=("grouped",),
+    statistics=("grouped", "ffn"),
     run=run,
 )

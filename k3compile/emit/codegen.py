@@ -224,6 +224,19 @@ def _class(cls_name: str, base: str, doc: str, prefix: str, tables_gm: fx.GraphM
     )
 
 
+K3_CALL = re.compile(r"torch\.ops\.k3\.(\w+)\.default\(")
+TORCH_BACKEND = ", backend = 'torch')"
+
+
+def direct_calls(code: str) -> str:
+    """`code` calling k3compile.ops.direct instead of the dispatcher: every k3 op call there is bound to its
+    PyTorch reference (backend "torch"), whose direct form runs the same functions without the custom op's
+    per-call overhead."""
+    if K3_CALL.search(code) and len(K3_CALL.findall(code)) != code.count(TORCH_BACKEND):
+        raise ValueError("direct calls need every k3 op bound to backend 'torch'")
+    return K3_CALL.sub(r"direct.\1(", code).replace(TORCH_BACKEND, ")")
+
+
 def model_source(
     spec: Spec,
     passes: list[str],
@@ -238,6 +251,9 @@ def model_source(
     functions: list[str] = []
     if "train" in graphs:
         funcs, body, imps = outlined(graphs["train"], "train", "graph", spec)
+        if target == "cpu":  # the CPU training module calls the references directly (k3compile.ops.direct)
+            funcs, body = [direct_calls(f) for f in funcs], direct_calls(body)
+            imps = [*imps, "from k3compile.ops import direct"]
         functions += funcs
         imports.update(imps)
         doc = "Training module: forward(tokens, labels=None) -> logits, or the mean next-token loss."

@@ -16,7 +16,14 @@ from k3compile.ops.balancing import (
     quantile_balance_update_hist,
     sign_balance_update,
 )
-from k3compile.ops.experts import expert_glu, expert_matmul, expert_rows_matmul, mx_expert_glu, mx_expert_matmul
+from k3compile.ops.experts import (
+    expert_glu,
+    expert_matmul,
+    expert_rows_ffn,
+    expert_rows_matmul,
+    mx_expert_glu,
+    mx_expert_matmul,
+)
 from k3compile.ops.fused import linear_glu
 from k3compile.ops.gla import gla, gla_decode_step
 from k3compile.ops.glu_train import glu_train
@@ -36,6 +43,7 @@ __all__ = [
     "expert_glu",
     "expert_matmul",
     "expert_mlp",
+    "expert_rows_ffn",
     "expert_rows_matmul",
     "gelu",
     "gla",

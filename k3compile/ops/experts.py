@@ -11,8 +11,10 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.kernels import expert_rows_ffn as ffn_ref
 from k3compile.kernels import experts as ref
 from k3compile.kernels.activations import check_glu_kind
+from k3compile.kernels.norms import upcast_dtype
 from k3compile.ops.registry import k3_op
 
 
@@ -45,6 +47,34 @@ def expert_matmul_op(x: Tensor, w: Tensor) -> Tensor:
 )
 def expert_rows_matmul_op(x: Tensor, w: Tensor, counts: Tensor) -> Tensor:
     return ref.expert_rows_matmul_ref(x, w, counts)
+
+
+def _ffn_fake(x, w_gate, w_up, w_down, counts, kind, beta1, beta2, act_fmt, block):
+    rows = (x.shape[0], w_gate.shape[-2])
+    acc = upcast_dtype(x.dtype)
+    return _out(x, w_down.shape[-2]), x.new_empty(rows, dtype=acc), x.new_empty(rows, dtype=acc), x.new_empty(rows)
+
+
+@k3_op(
+    "expert_rows_ffn",
+    fake=_ffn_fake,
+    differentiable=("x", "w_gate", "w_up", "w_down"),
+    backward=ffn_ref.expert_rows_ffn_bwd_ref,
+    saves_outputs=True,
+)
+def expert_rows_ffn_op(
+    x: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    counts: Tensor,
+    kind: str,
+    beta1: float,
+    beta2: float,
+    act_fmt: str | None,
+    block: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    return ffn_ref.expert_rows_ffn_ref(x, w_gate, w_up, w_down, counts, kind, beta1, beta2, act_fmt, block)
 
 
 @k3_op(
@@ -86,6 +116,29 @@ def expert_matmul(x: Tensor, w: Tensor, *, backend: str = "auto") -> Tensor:
 def expert_rows_matmul(x: Tensor, w: Tensor, counts: Tensor, *, backend: str = "auto") -> Tensor:
     """x W_e^T for the rows of x sorted by expert, counts [E] rows each: x [N, I], w [E, w, I] -> [N, w]."""
     return torch.ops.k3.expert_rows_matmul.default(x, w, counts, backend=backend)
+
+
+def expert_rows_ffn(
+    x: Tensor,
+    w_gate: Tensor,
+    w_up: Tensor,
+    w_down: Tensor,
+    counts: Tensor,
+    kind: str,
+    beta1: float = 4.0,
+    beta2: float = 25.0,
+    act_fmt: str | None = None,
+    block: int = 32,
+    *,
+    backend: str = "auto",
+) -> Tensor:
+    """Each expert's FFN on the rows of x sorted by expert (counts [E] each): q(act(x W_gate^T, x W_up^T)) W_down^T
+    with q the MX fake quantisation to act_fmt (none when None); x [N, I], gate/up [E, H, I], down [E, I, H]
+    -> [N, I]."""
+    check_glu_kind(kind, "expert_rows_ffn")
+    return torch.ops.k3.expert_rows_ffn.default(
+        x, w_gate, w_up, w_down, counts, kind, beta1, beta2, act_fmt, block, backend=backend
+    )[0]
 
 
 def mx_expert_glu(

@@ -140,12 +140,16 @@ def k3_op(
         if differentiable:
             _register_backward(name, ref, op, list(differentiable), backward, saves_outputs)
         op.reference = ref
+        params = list(inspect.signature(ref).parameters)  # for k3compile.ops.direct, which runs ref and backward
+        op.backward_reference, op.saves_outputs = backward, saves_outputs
+        op.differentiable_index = tuple(params.index(a) for a in differentiable if a in params)
         return op
 
     return decorate
 
 
-def _zeros(shape, dtype: torch.dtype, device: torch.device, broadcast: bool) -> Tensor:
+def zero_cotangent(shape, dtype: torch.dtype, device: torch.device, broadcast: bool) -> Tensor:
+    """A zero cotangent for an output autograd gave none: a broadcast 0-d zero when `broadcast`, else filled."""
     zero = torch.zeros((), dtype=dtype, device=device)
     return zero.expand(shape) if broadcast else torch.zeros(shape, dtype=dtype, device=device)
 
@@ -219,7 +223,7 @@ def _register_backward(
             args[i] = t
         device = saved[0].device
         filled = [  # an op saving its outputs reads no cotangent of them: a broadcast zero, not a filled one
-            g if g is not None else _zeros(shape, dtype, device, saves_outputs)
+            g if g is not None else zero_cotangent(shape, dtype, device, saves_outputs)
             for g, (shape, dtype) in zip(grads, ctx.out_meta)
         ]
         got = bwd(filled, list(saved[len(ctx.tensor_pos):]), *args) if saves_outputs else bwd(filled, *args)

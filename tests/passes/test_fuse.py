@@ -95,7 +95,9 @@ def test_cpu_train_graph_applies_every_glu_with_glu_train(tiny_spec, tiny_build,
     gm = tiny_build["train"].gm
     glus = [n for n in gm.graph.nodes if n.target is K3.glu_train.default]
     stats = record("train", "fuse").statistics
-    assert len(glus) == stats["glu_train"] == len(tiny_spec.dense_layers) + 2 * n_moe
+    assert stats["glu_train"] == len(tiny_spec.dense_layers) + 2 * n_moe
+    # the routed experts' glu_train then goes into expert_rows_ffn (group_experts), which runs it on each group
+    assert len(glus) == len(tiny_spec.dense_layers) + n_moe == stats["glu_train"] - count(gm, K3.expert_rows_ffn.default)
     assert stats["linear_glu"] == stats["expert_glu"] == 0
     assert count(gm, K3.linear_glu.default) == count(gm, K3.expert_glu.default) == count(gm, K3.situ_glu.default) == 0
     projections = {K3.expert_matmul.default, K3.expert_rows_matmul.default, torch._C._nn.linear}
@@ -135,24 +137,21 @@ def test_router_logits_scoring_bias_and_top_k_become_one_op(tiny_spec, tiny_buil
 
 def test_routed_experts_become_grouped_gemms(tiny_spec, tiny_build, record):
     """Training (CPU): expert_matmul for gate, up and down on the fake-quantised stacked weights, glu_train
-    between (run on the experts' rows by group_experts, whose dispatch reads the fake-quantised tokens); inference: expert_glu + expert_matmul in their MXFP4 forms reading the packed buffers (the
-    dequantisation moves into the kernel). In the decode graph the packed data and scales are first gathered by
-    the routing indices, so only the picked experts are read."""
+    between (then one expert_rows_ffn on the experts' rows by group_experts, whose dispatch reads the
+    fake-quantised tokens); inference: expert_glu + expert_matmul in their MXFP4 forms reading the packed
+    buffers (the dequantisation moves into the kernel). In the decode graph the packed data and scales are
+    first gathered by the routing indices, so only the picked experts are read."""
     n_moe = sum(tiny_spec.is_moe_layer(i) for i in range(tiny_spec.num_layers))
     train = tiny_build["train"].gm
-    mms = [n for n in train.graph.nodes if n.target is K3.expert_rows_matmul.default]
-    assert len(mms) == 3 * n_moe
-    projs = []
-    for m in mms:
-        x, w, _ = m.args
-        if x.target is operator.getitem:  # gate / up: the dispatched rows of the fake-quantised tokens
-            x = x.args[0].args[0]
-        assert x.target is K3.mx_fake_quantize.default and w.target is K3.mx_fake_quantize.default
-        projs.append(w.args[0].target.rsplit(".", 2)[-2])
-        if projs[-1] != "down_proj":
-            (user,) = m.users
-            assert user.target is K3.glu_train.default
-    assert sorted(projs) == sorted(["gate_proj", "up_proj", "down_proj"] * n_moe)
+    ffns = [n for n in train.graph.nodes if n.target is K3.expert_rows_ffn.default]
+    assert len(ffns) == n_moe and count(train, K3.expert_rows_matmul.default) == 0
+    for f in ffns:
+        x, *ws = f.args[:4]
+        assert x.target is operator.getitem  # the dispatched rows of the fake-quantised tokens
+        assert x.args[0].args[0].target is K3.mx_fake_quantize.default
+        assert all(w.target is K3.mx_fake_quantize.default for w in ws)
+        assert [w.args[0].target.rsplit(".", 2)[-2] for w in ws] == ["gate_proj", "up_proj", "down_proj"]
+        assert f.args[5:] == ("situ_glu", 4.0, 25.0, "e4m3", 32)
     assert not any(n.target is torch.matmul for n in train.graph.nodes)
     stats = record("train", "fuse").statistics
     assert stats["expert_glu"] == 0 and stats["expert_matmul"] == 3 * n_moe and stats["mx_experts"] == 0

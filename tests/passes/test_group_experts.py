@@ -53,7 +53,9 @@ def test_every_moe_runs_on_its_rows(graphs):
     assert record.statistics["grouped"] == layers == count(capacity, K3.moe_dispatch.default)
     assert count(grouped, K3.moe_dispatch_rows.default) == layers
     assert count(grouped, K3.moe_dispatch.default) == count(grouped, K3.expert_matmul.default) == 0
-    assert count(grouped, K3.expert_rows_matmul.default) == count(capacity, K3.expert_matmul.default) == 3 * layers
+    # each expert FFN (gate, up, GLU, the activation's fake quantisation, down) is one op on the rows
+    assert count(capacity, K3.expert_matmul.default) == 3 * layers and count(grouped, K3.expert_rows_matmul.default) == 0
+    assert record.statistics["ffn"] == count(grouped, K3.expert_rows_ffn.default) == layers
     # with QAT the buffer's activation fake quantisation moved before the dispatch: on the T tokens, not the rows
     qat = spec.quantization.qat
     for n in grouped.graph.nodes:
@@ -62,7 +64,12 @@ def test_every_moe_runs_on_its_rows(graphs):
             assert (x.target is K3.mx_fake_quantize.default) == qat
             assert x.meta["val"].shape[0] == indices.meta["val"].shape[0]  # [T, w]
             assert n.meta["val"][0].shape[0] == indices.meta["val"].numel()  # rows [T * K, w]
-    assert count(grouped, K3.mx_fake_quantize.default) == count(capacity, K3.mx_fake_quantize.default)
+        if n.target is K3.expert_rows_ffn.default:
+            assert n.args[5:8] == (spec.activation.kind, spec.activation.beta1, spec.activation.beta2)
+            assert n.args[8:] == (("e4m3", spec.quantization.block_size) if qat else (None, 0))
+            assert all((w.target is K3.mx_fake_quantize.default) == qat for w in n.args[1:4])
+    absorbed = layers if qat else 0  # the activation's, inside expert_rows_ffn
+    assert count(grouped, K3.mx_fake_quantize.default) == count(capacity, K3.mx_fake_quantize.default) - absorbed
 
 
 def test_outputs_gradients_and_counters_equal_the_capacity_path(graphs):
@@ -123,7 +130,8 @@ def test_untouched_elsewhere(load, run_passes, graph, target, overrides):
     assert records[-1].statistics["grouped"] == 0
     if overrides:  # the experts were sharded: the buffers go to their owners, which run them at capacity
         assert records[NAMES.index("shard_experts")].statistics["ranks"] == 2
-    assert count(gm, K3.moe_dispatch_rows.default) == count(gm, K3.expert_rows_matmul.default) == 0
+    assert count(gm, K3.moe_dispatch_rows.default) == count(gm, K3.expert_rows_ffn.default) == 0
+    assert records[-1].statistics["ffn"] == 0
 
 
 def test_numerics_checked_in_the_build(record):

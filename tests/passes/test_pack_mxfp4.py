@@ -127,9 +127,11 @@ def test_qat_train_fake_quantises_the_weights(tiny_spec, tiny_build, record):
     for name, node in reads.items():
         (user,) = node.users
         assert user.target is K3.mx_fake_quantize.default and user.args[1:] == ("e2m1", 32), name
-        # fuse made the matmuls grouped GEMMs, group_experts runs them on the experts' rows
-        experts = (K3.expert_glu.default, K3.expert_matmul.default, K3.expert_rows_matmul.default)
+        # fuse made the matmuls grouped GEMMs, group_experts runs them on the experts' rows as one FFN op,
+        # which fake-quantises the down projection's input itself
+        experts = (K3.expert_glu.default, K3.expert_matmul.default, K3.expert_rows_ffn.default)
         assert all(t.target in experts and fq_input(t) for t in user.users), name
+        assert all(t.args[8:] == ("e4m3", 32) for t in user.users if t.target is K3.expert_rows_ffn.default), name
     nodes = list(gm.graph.nodes)
     assert not any(n.target in (K3.mx_dequantize.default, K3.mx_linear.default) for n in nodes)
     assert gm.meta.get("packed", {}) == {}

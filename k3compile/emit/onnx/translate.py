@@ -33,6 +33,7 @@ UNTRANSLATED = {
     "glu_train": "training only: CPU train graphs' GLU saving its derivatives (inference keeps the fused GLUs)",
     "moe_dispatch_rows": "training only: CPU train graphs' dispatch to the experts' rows (group_experts)",
     "expert_rows_matmul": "training only: CPU train graphs' expert GEMMs on the experts' rows (group_experts)",
+    "expert_rows_ffn": "training only: CPU train graphs' expert FFNs on the experts' rows (group_experts)",
     "mx_quantize": "builds MX weights, which the graphs receive already packed",
     "kda_recurrent": "no graph uses it (KDA runs chunked, and one token at a time through kda_decode_step)",
     "gla_chunk": "not exported yet: gated linear attention (kda.delta_rule false), an ablation",
