@@ -7,7 +7,8 @@
 
 A step is forward + mean next-token loss + backward + the spec's optimizer step (Per-Head Muon), exactly as
 `k3compile train` runs it, on random bytes. Rows:
-  emitted   the built package's Model (the bound fx graph as Python, QAT fake quantisation inside);
+  emitted   the built package's Model (the bound fx graph as Python, QAT fake quantisation inside; on the CPU
+            target its k3 calls run the references directly, k3compile.ops.direct);
   eager     the model definition (k3compile.modules.model.K3Model) run eagerly in train mode with the same
             weights, no passes: experts at the spec's capacity, and with quantization.qat the same fake
             quantisation as the emitted Model (`K3Model.quantize_as_trained`: the routed experts' weights and

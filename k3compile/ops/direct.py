@@ -4,8 +4,9 @@ A torch.library custom op costs about 0.2 ms of Python a call, forward and backw
 defaults, the autograd wrapper, a second op for the backward); a step of a small model calls hundreds.
 Here each op with a hand-written backward is a torch.autograd.Function over the same two functions the
 registry runs for backend "torch" (the reference and its backward), so the values and gradients are the
-op's bit for bit. `direct.<name>(*args)` takes the op's arguments without `backend`; an op without a
-hand-written backward runs the op itself.
+op's bit for bit. `direct.<name>(*args)` takes the op's arguments without `backend`. An op without
+gradients runs its reference under no_grad; one with its own autograd or a recomputing backward runs the op
+itself (kda_chunk and mx_fake_quantize, with their own autograd, have Functions here too).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from torch import Tensor
 import k3compile.ops  # noqa: F401  (registers the ops whose references run here)
 from k3compile.kernels import kda as kda_ref
 from k3compile.kernels.mx import mx_fake_quantize_fast
-from k3compile.ops.registry import zero_cotangent
+from k3compile.ops.registry import REGISTERED, zero_cotangent
 
 K3 = torch.ops.k3
 
@@ -73,10 +74,10 @@ class _KdaChunk(torch.autograd.Function):
     @staticmethod
     def backward(ctx, do, dstate, *_):
         q, k, v, g, beta, initial_state, *saved = ctx.saved_tensors
-        do = torch.zeros_like(ctx.saved_tensors[2]) if do is None else do  # o has v's shape and dtype
+        if do is None:  # the filled zeros autograd would give, as for the op
+            do = torch.zeros_like(v)
         if dstate is None:
-            B, _, H, K = q.shape
-            dstate = torch.zeros((), dtype=saved[0].dtype, device=q.device).expand(B, H, K, v.shape[-1])
+            dstate = torch.zeros(q.shape[0], q.shape[2], q.shape[3], v.shape[-1], dtype=saved[0].dtype, device=q.device)
         grads = kda_ref.kda_chunk_bwd(do, dstate, kda_ref.chunk_saved(saved), q, k, v, g, beta, ctx.scale, initial_state)
         grads = [x if need else None for x, need in zip(grads, (*ctx.needs_input_grad[:5], ctx.needs_input_grad[6]))]
         return (*grads[:5], None, grads[5] if initial_state is not None else None, None)
@@ -94,12 +95,13 @@ class _FakeQuantize(torch.autograd.Function):
         return grad, None, None
 
 
-def _direct(name: str, run):
-    """k3::<name> as `run(*args)`; under torch.compile the op itself, which the compiler keeps opaque."""
+def _direct(name: str, run=None):
+    """k3::<name> as `run(*args)` (the op itself when run is None); under torch.compile always the op, which the
+    compiler keeps opaque."""
     op = getattr(K3, name).default
 
     def call(*args):
-        if torch.compiler.is_compiling():
+        if run is None or torch.compiler.is_compiling():
             return op(*args, backend="torch")
         return run(*args)
 
@@ -117,22 +119,15 @@ mx_fake_quantize = _direct("mx_fake_quantize", _FakeQuantize.apply)
 
 
 def __getattr__(name: str):
-    """direct.<name>: the Function for an op with a hand-written backward, the op itself (backend "torch") else."""
+    """direct.<name>: the Function for an op with a hand-written backward, the reference for one without
+    gradients, the op itself else (an op with its own autograd, or whose backward recomputes the forward)."""
     getattr(K3, name)  # AttributeError for a name that is not a k3 op
-    custom = _registered(name)
-    if custom is not None and custom.backward_reference is not None:
-        fn = _direct(name, lambda *args: _Op.apply(custom, *args))
-    elif custom is not None and custom._backward_fn is None:  # not differentiable: the op's outputs need no grad
-        fn = _direct(name, lambda *args: _no_grad(custom, args))
+    op = REGISTERED.get(name)
+    if op is not None and op.backward_reference is not None:
+        fn = _direct(name, lambda *args: _Op.apply(op, *args))
+    elif op is not None and op._backward_fn is None:  # no autograd registered: its outputs need no gradient
+        fn = _direct(name, lambda *args: _no_grad(op, args))
     else:
-        fn = _direct(name, lambda *args: getattr(K3, name).default(*args, backend="torch"))
+        fn = _direct(name)
     globals()[name] = fn
     return fn
-
-
-def _registered(name: str):
-    """The CustomOpDef k3_op made for k3::<name>, or None (an op registered another way)."""
-    from torch._library.custom_ops import OPDEFS
-
-    found = OPDEFS.get(f"k3::{name}")
-    return found if found is not None and hasattr(found, "reference") else None

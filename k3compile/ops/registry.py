@@ -23,6 +23,7 @@ from k3compile.kernels.launch import interpreting
 
 NAMESPACE = "k3"
 BACKENDS = ("auto", "torch", "triton")
+REGISTERED: dict = {}  # name -> the custom op k3_op made (with its reference, for k3compile.ops.direct)
 
 
 def _device_of(args) -> torch.device:
@@ -143,6 +144,7 @@ def k3_op(
         params = list(inspect.signature(ref).parameters)  # for k3compile.ops.direct, which runs ref and backward
         op.backward_reference, op.saves_outputs = backward, saves_outputs
         op.differentiable_index = tuple(params.index(a) for a in differentiable if a in params)
+        REGISTERED[name] = op
         return op
 
     return decorate
