@@ -1,6 +1,6 @@
 """The k3 ops' PyTorch references called without the dispatcher, for emitted CPU training code.
 
-A torch.library custom op costs about 0.2 ms of Python a call, forward and backward together (schema
+A torch.library custom op costs about 0.25 ms of Python a call, forward and backward together (schema
 defaults, the autograd wrapper, a second op for the backward); a step of a small model calls hundreds.
 Here each op with a hand-written backward is a torch.autograd.Function over the same two functions the
 registry runs for backend "torch" (the reference and its backward), so the values and gradients are the
