@@ -108,9 +108,9 @@ def expert_rows_ffn_bwd_ref(
             dw[counts_E == 0] = 0
     for e, s, t in groups:
         torch.mm(dout[s:t].T, down_in[s:t], out=dwd[e])
-        dy = _round(torch.mm(dout[s:t], wd[e]), dtype).to(jg.dtype)
-        dg = _round(dy * jg[s:t], dtype).to(x.dtype)
-        du = _round(dy * ju[s:t], dtype).to(x.dtype)
+        dy = _round(torch.mm(dout[s:t], wd[e]), dtype)  # all in the compute dtype, rounded as the chain's ops
+        dg = _round(dy * jg[s:t], dtype)
+        du = _round(dy * ju[s:t], dtype)
         torch.mm(dg.T, x[s:t], out=dwg[e])
         torch.mm(du.T, x[s:t], out=dwu[e])
         dx_e = dx[s:t]  # the chain's two gradients of x, each in x's dtype, summed

@@ -232,7 +232,7 @@ def direct_calls(code: str) -> str:
     """`code` calling k3compile.ops.direct instead of the dispatcher: every k3 op call there is bound to its
     PyTorch reference (backend "torch"), whose direct form runs the same functions without the custom op's
     per-call overhead."""
-    if K3_CALL.search(code) and len(K3_CALL.findall(code)) != code.count(TORCH_BACKEND):
+    if len(K3_CALL.findall(code)) != code.count(TORCH_BACKEND):
         raise ValueError("direct calls need every k3 op bound to backend 'torch'")
     return K3_CALL.sub(r"direct.\1(", code).replace(TORCH_BACKEND, ")")
 
