@@ -18,8 +18,9 @@ forward+backward counts 3x the forward. The matmul row is an n x n x n fp32 matm
 ratios: each op at k3-tiny's training shapes (batch 8 x 128, fp32): the forward with inputs that require
 grad, then its backward (torch.autograd.grad with random cotangents), run in turn; bwd/fwd is the ratio of
 their CPU times. The "recompute" columns time what a backward that recomputes the reference under
-torch.func.vjp costs instead (the registry's generic backward), in the same run. A plain linear layer and
-KDA chunk (both with their own backwards) are rows for scale.
+torch.func.vjp costs instead (the registry's generic backward), in the same run. Rows marked [c] run the C
+kernels a CPU build binds (backend "c"; absent where they cannot be built). A plain linear layer and KDA chunk
+(both with their own backwards) are rows for scale.
 
 scaling: KDA chunk forward (no grad) at B=1, H=--heads, K=V=--head-dim and T = 1024 and 16384: CPU
 microseconds per token, and minor page faults per call (resource.getrusage ru_minflt: memory freshly mapped).
@@ -153,7 +154,8 @@ class Case:
 
 
 def ratio_cases(tiny: bool) -> list[Case]:
-    """The ops with hand-written backwards at k3-tiny's training shapes (batch 8 x 128), and two for scale."""
+    """The ops with hand-written backwards at k3-tiny's training shapes (batch 8 x 128), their C kernels, and two
+    for scale."""
     from k3compile.kernels import activations, attn_res, experts, fused, norms, short_conv
 
     gen = torch.Generator().manual_seed(0)
@@ -188,9 +190,42 @@ def ratio_cases(tiny: bool) -> list[Case]:
              experts.expert_glu_ref),
         Case("expert_matmul", f"[{E}, {Cap}, {L}] x [{E}, {L}, {L}]", ops.expert_matmul.default,
              [randn(E, Cap, L), randn(E, L, L, scale=L**-0.5)], (), experts.expert_matmul_ref),
+        *c_kernel_cases(randn, N, D, H, Kh, I),
         Case("linear (scale)", f"[{N}, {D}] x [{I}, {D}]", F.linear, [randn(N, D), randn(I, D, scale=D**-0.5)]),
         Case("kda_chunk (scale)", f"B=8 T={N // 8} H={H} K=V={Kh}",
              lambda *a: kda(*a, chunk_size=16 if tiny else 64)[0], kda_inputs(8, N // 8, H, Kh)),
+    ]
+
+
+def c_kernel_cases(randn: Callable, N: int, D: int, H: int, Kh: int, I: int) -> list[Case]:
+    """The same ops through their C kernels (backend "c", what a CPU build binds), and the C kernels of the ops
+    only a CPU build runs (attn_res_normed, kda_gate, moe_combine); none where the C kernels cannot be built."""
+    from k3compile.kernels import native
+
+    if not native.available()[0]:
+        return []
+    ops = torch.ops.k3
+
+    def c(op):
+        return lambda *args: op(*args, backend="c")
+
+    S, T = 4, N // 8
+    slots = torch.randperm(N * 4, generator=torch.Generator().manual_seed(1)).view(N, 4)
+    return [
+        Case("attn_res_normed [c]", f"S={S} [{N}, {D}]", c(ops.attn_res_normed.default),
+             [randn(S, 8, T, D), 1 + randn(S, 8, T, scale=0.1), randn(D, scale=0.1), 1 + randn(D, scale=0.1)]),
+        Case("rms_norm [c]", f"[{N}, {D}]", c(ops.rms_norm.default), [randn(N, D), randn(D)], (1e-5,)),
+        Case("rms_norm_gate [c]", f"[{N}, {H}, {Kh}]", c(ops.rms_norm_gate.default),
+             [randn(N, H, Kh), randn(Kh), randn(N, H, Kh)], (1e-5,)),
+        Case("l2_norm [c]", f"[{N}, {H}, {Kh}]", c(ops.l2_norm.default), [randn(N, H, Kh)], (1e-6,)),
+        Case("short_conv [c]", f"[8, {T}, {D}] W=4", c(ops.short_conv.default),
+             [randn(8, T, D), randn(D, 4, scale=0.5)], (None,)),
+        Case("glu_train [c]", f"[{N}, {I}]", lambda g, u, *r: ops.glu_train.default(g, u, *r, backend="c")[0],
+             [randn(N, I, scale=2), randn(N, I, scale=2)], ("situ_glu", 4.0, 25.0)),
+        Case("kda_gate [c]", f"[8, {T}, {H}, {Kh}]", c(ops.kda_gate.default),
+             [randn(8, T, H, Kh), randn(H, scale=0.5), randn(H * Kh)], ("lower_bounded_sigmoid", -5.0)),
+        Case("moe_combine [c]", f"[{N * 4}, {D}] K=4", c(ops.moe_combine.default),
+             [randn(1, N * 4, D), randn(N, 4).abs()], (slots,)),
     ]
 
 

@@ -8,7 +8,10 @@
 A step is forward + mean next-token loss + backward + the spec's optimizer step (Per-Head Muon), exactly as
 `k3compile train` runs it, on random bytes. Rows:
   emitted   the built package's Model (the bound fx graph as Python, QAT fake quantisation inside; on the CPU
-            target its k3 calls run the references directly, k3compile.ops.direct);
+            target its k3 calls run the C kernels bind_kernels chose, or the references, directly through
+            k3compile.ops.direct);
+  emitted-ref  (--references) the same build with every op on its PyTorch reference (cpu_kernels="torch"):
+            what the C kernels add;
   eager     the model definition (k3compile.modules.model.K3Model) run eagerly in train mode with the same
             weights, no passes: experts at the spec's capacity, and with quantization.qat the same fake
             quantisation as the emitted Model (`K3Model.quantize_as_trained`: the routed experts' weights and
@@ -32,6 +35,7 @@ To measure a CPU without native bf16 on one that has it, restrict PyTorch and on
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import tempfile
 import time
@@ -42,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import k3compile
+from k3compile.kernels import native
 from k3compile.modules.model import K3Model
 from k3compile.runtime.muon import muon_precision
 from k3compile.runtime.train import make_optimizer
@@ -111,6 +116,8 @@ def main() -> None:
     parser.add_argument("--threads", type=int, help="torch.set_num_threads (default: torch's choice); on a shared "
                         "machine 1 thread gives the steadiest CPU seconds (idle threads spin-waiting count too)")
     parser.add_argument("--tiny", action="store_true", help="batch 2 x 32, 2 steps, no torch.compile")
+    parser.add_argument("--references", action="store_true",
+                        help="also time the build over the PyTorch references (no C kernels) as row emitted-ref")
     args = parser.parse_args()
     if args.tiny:
         args.batch, args.seq, args.steps, args.no_compile = args.batch or 2, args.seq or 32, 2, True
@@ -119,19 +126,30 @@ def main() -> None:
     spec = load_spec(args.spec)
     batch, seq = args.batch or spec.training.batch_size, args.seq or spec.training.seq_len
     with tempfile.TemporaryDirectory() as tmp:
+        from k3compile.build import BuildOptions, build
+
         if args.build:
             package = k3compile.load(args.build)
         else:
-            from k3compile.build import BuildOptions, build
-
             start = time.perf_counter()
             dest, _ = build(spec, Path(tmp), BuildOptions(mode="train"))
             package = k3compile.load(dest)
             print(f"built {spec.name} (train) in {time.perf_counter() - start:.1f} s")
-        run(package, spec, batch, seq, args.steps, not args.no_compile)
+        references = None
+        if args.references:
+            dest, _ = build(spec, Path(tmp) / "references", BuildOptions(mode="train", cpu_kernels="torch"))
+            references = k3compile.load(dest)
+        run(package, spec, batch, seq, args.steps, not args.no_compile, references)
 
 
-def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> None:
+def c_kernel_calls(package) -> str:
+    """How many of the training module's k3 calls run C kernels, from the package's model.py."""
+    source = Path(package.__file__).with_name("model.py").read_text()
+    c, ref = source.count("direct.c."), len(re.findall(r"\bdirect\.(?!c\.)\w+\(", source))
+    return f"emitted: {c} of {c + ref} k3 calls in the training code on C kernels ({native.available()[1]})"
+
+
+def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool, references=None) -> None:
     torch.manual_seed(0)
     tokens = torch.randint(0, spec.vocab_size, (batch, seq))
     print(
@@ -140,12 +158,21 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
     )
     print(f"256 x 768 Gram matmul: bf16 {gram_cpu_ms(torch.bfloat16):.2f} CPU ms, fp32 {gram_cpu_ms(torch.float32):.2f} CPU ms")
     print(muon_precision(spec.training.muon_precision)[1])
+    print(c_kernel_calls(package))
     emitted = package.Model().train()
     state = {k: v.detach().clone() for k, v in emitted.state_dict().items()}
     rows: list[tuple[str, Callable[[], Callable[[], None]]]] = [
         ("emitted", lambda: trainer(emitted, emitted_loss, spec, tokens)),
         ("eager", lambda: trainer(eager_model(spec, state), eager_loss, spec, tokens)),
     ]
+    if references is not None:
+
+        def emitted_references():
+            model = references.Model().train()
+            model.load_state_dict(state)
+            return trainer(model, emitted_loss, spec, tokens)
+
+        rows.append(("emitted-ref", emitted_references))
     if compile_too:
 
         if torch.backends.cpu.get_cpu_capability() == "AVX2":
@@ -160,8 +187,8 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
             return trainer(torch.compile(model), emitted_loss, spec, tokens)
 
         rows.append(("compiled", compiled))
-    print(f"{'':<10} {'first step':>10}  {'CPU seconds (median)':^26}  {'wall seconds (median)':^26}")
-    print(f"{'row':<10} {'CPU s':>10}  {'fwd+bwd':>8} {'optim':>8} {'step':>8}  {'fwd+bwd':>8} {'optim':>8} "
+    print(f"{'':<11} {'first step':>10}  {'CPU seconds (median)':^26}  {'wall seconds (median)':^26}")
+    print(f"{'row':<11} {'CPU s':>10}  {'fwd+bwd':>8} {'optim':>8} {'step':>8}  {'fwd+bwd':>8} {'optim':>8} "
           f"{'step':>8}  {'tokens/s':>8}  first loss")
     steppers = {name: make() for name, make in rows}
     first = {name: step() for name, step in steppers.items()}  # warm-up (for compiled: includes compilation)
@@ -174,7 +201,7 @@ def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool) -> N
         cpu_total = statistics.median(t[0] + t[1] for t in times[name])
         wall_total = statistics.median(t[2] + t[3] for t in times[name])
         print(
-            f"{name:<10} {first[name][0] + first[name][1]:>10.2f}  {med[0]:>8.2f} {med[1]:>8.2f} {cpu_total:>8.2f}  "
+            f"{name:<11} {first[name][0] + first[name][1]:>10.2f}  {med[0]:>8.2f} {med[1]:>8.2f} {cpu_total:>8.2f}  "
             f"{med[2]:>8.2f} {med[3]:>8.2f} {wall_total:>8.2f}  {batch * seq / wall_total:>8.0f}  {step.losses[0]:.6f}",
             flush=True,
         )

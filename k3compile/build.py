@@ -61,6 +61,7 @@ class BuildOptions:
     verify_numerics: bool = False
     device: str | None = None  # default: cpu for small specs, meta for large
     check_every_pass: bool = False  # full shape propagation after every pass, not only where it changed
+    cpu_kernels: str = "auto"  # CPU target: C kernels where they build ("auto"), insist ("c"), references ("torch")
 
 
 @dataclass
@@ -107,7 +108,7 @@ def compile_graphs(
                 on_pass=None if on_pass is None else (lambda name, g=graph: on_pass(f"{g}: {name}")),
                 check_every_pass=options.check_every_pass,
             )
-            manager.run(lowered.gm, PassContext(spec, mode, target, graph), lowered.example_inputs)
+            manager.run(lowered.gm, PassContext(spec, mode, target, graph, options.cpu_kernels), lowered.example_inputs)
             out[graph] = CompiledGraph(graph, lowered.gm, manager.records, dumps)
     return out
 

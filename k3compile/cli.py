@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--check-every-pass", action="store_true",
                    help="propagate shapes through the whole graph after every pass (default: only where a pass "
                    "changed it, and fully once at the end)")
+    p.add_argument("--cpu-kernels", choices=("auto", "c", "torch"), default="auto",
+                   help="CPU target: auto (default) binds the C kernels (kernels/csrc, compiled once for this CPU) "
+                   "where they build, else the PyTorch references; c insists on them; torch keeps the references")
     p.add_argument("--onnx", action="store_true",
                    help="then export every graph of the build to DIR/<name>/onnx/<graph>.onnx (k3compile export's defaults)")
 
@@ -302,6 +305,7 @@ def _cmd_build(args) -> None:
         dump_after=frozenset(args.dump_after),
         verify_numerics=args.verify_numerics,
         check_every_pass=args.check_every_pass,
+        cpu_kernels=args.cpu_kernels,
     )
     from rich.console import Console
     from rich.progress import Progress

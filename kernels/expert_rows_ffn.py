@@ -11,6 +11,8 @@ expert), E experts, I the rows' width, H the intermediate size.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
@@ -18,7 +20,7 @@ from k3compile.kernels.activations import check_glu_kind
 from k3compile.kernels.experts import expert_groups
 from k3compile.kernels.glu_train import CHUNK, glu_fill
 from k3compile.kernels.mx import mx_fake_quantize_fast
-from k3compile.kernels.norms import upcast, upcast_dtype
+from k3compile.kernels.norms import upcast
 
 
 def _round(t: Tensor, dtype: torch.dtype) -> Tensor:
@@ -37,6 +39,48 @@ def _batches(groups: list[tuple[int, int, int]], width: int) -> list[list[tuple[
     return out
 
 
+def activate_ref(
+    g: Tensor, u: Tensor, y: Tensor, jg: Tensor, ju: Tensor, kind: str, beta1: float, beta2: float,
+    act_fmt: str | None, block: int,
+) -> None:
+    """One batch's activation: y (x's dtype) = q(act(g, u)), jg and ju its derivatives (the compute dtype), from
+    the projections g and u (the compute dtype, rounded as the chain's ops hand them on)."""
+    dtype = y.dtype
+    g, u = _round(g, dtype), _round(u, dtype)
+    a = g.new_empty(g.shape)
+    glu_fill(g.view(-1), u.view(-1), a.view(-1), jg.view(-1), ju.view(-1), kind, beta1, beta2)
+    a = a.to(dtype)
+    y.copy_(a if act_fmt is None else mx_fake_quantize_fast(a, act_fmt, block))
+
+
+def expert_rows_ffn(
+    x_NI: Tensor, w_gate_EHI: Tensor, w_up_EHI: Tensor, w_down_EIH: Tensor, counts_E: Tensor, kind: str,
+    beta1: float, beta2: float, act_fmt: str | None, block: int, activate: Callable = activate_ref,
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """`expert_rows_ffn_ref` with each batch's activation made by `activate` (the signature of `activate_ref`)."""
+    check_glu_kind(kind, "expert_rows_ffn")
+    dtype = x_NI.dtype
+    x, wg, wu, wd = upcast(x_NI), upcast(w_gate_EHI), upcast(w_up_EHI), upcast(w_down_EIH)
+    n, h = x.shape[0], wg.shape[-2]
+    out = x.new_empty(n, wd.shape[-2])
+    jg, ju = x.new_empty(n, h), x.new_empty(n, h)
+    yq = x_NI.new_empty(n, h)
+    groups, used = expert_groups(counts_E)
+    for batch in _batches(groups, h):
+        s0, t0 = batch[0][1], batch[-1][2]
+        g, u = (x.new_empty(t0 - s0, h) for _ in range(2))
+        for e, s, t in batch:
+            torch.mm(x[s:t], wg[e].T, out=g[s - s0 : t - s0])
+            torch.mm(x[s:t], wu[e].T, out=u[s - s0 : t - s0])
+        activate(g, u, yq[s0:t0], jg[s0:t0], ju[s0:t0], kind, beta1, beta2, act_fmt, block)
+        down_in = upcast(yq[s0:t0])
+        for e, s, t in batch:
+            torch.mm(down_in[s - s0 : t - s0], wd[e].T, out=out[s:t])
+    for t in (out, jg, ju, yq):
+        t[used:].zero_()
+    return out.to(dtype), jg, ju, yq
+
+
 def expert_rows_ffn_ref(
     x_NI: Tensor,
     w_gate_EHI: Tensor,
@@ -52,30 +96,7 @@ def expert_rows_ffn_ref(
     """(out [N, I] in x's dtype, dy/dgate and dy/dup [N, H] in the compute dtype, the down projection's input
     [N, H] in x's dtype): out_e = q(act(x_e Wg_e^T, x_e Wu_e^T)) Wd_e^T, q the MX fake quantisation to
     `act_fmt` (blocks of `block`; none when None). Rows past sum(counts) come out zero."""
-    check_glu_kind(kind, "expert_rows_ffn")
-    dtype, acc = x_NI.dtype, upcast_dtype(x_NI.dtype)
-    x, wg, wu, wd = upcast(x_NI), upcast(w_gate_EHI), upcast(w_up_EHI), upcast(w_down_EIH)
-    n, h = x.shape[0], wg.shape[-2]
-    out = x.new_empty(n, wd.shape[-2])
-    jg, ju = x.new_empty(n, h), x.new_empty(n, h)
-    yq = x_NI.new_empty(n, h)
-    groups, used = expert_groups(counts_E)
-    for batch in _batches(groups, h):
-        s0, t0 = batch[0][1], batch[-1][2]
-        g, u, y = (x.new_empty(t0 - s0, h) for _ in range(3))
-        for e, s, t in batch:
-            torch.mm(x[s:t], wg[e].T, out=g[s - s0 : t - s0])
-            torch.mm(x[s:t], wu[e].T, out=u[s - s0 : t - s0])
-        g, u = _round(g, dtype), _round(u, dtype)
-        glu_fill(g.view(-1), u.view(-1), y.view(-1), jg[s0:t0].view(-1), ju[s0:t0].view(-1), kind, beta1, beta2)
-        y = y.to(dtype)
-        yq[s0:t0] = y if act_fmt is None else mx_fake_quantize_fast(y, act_fmt, block)
-        down_in = upcast(yq[s0:t0])
-        for e, s, t in batch:
-            torch.mm(down_in[s - s0 : t - s0], wd[e].T, out=out[s:t])
-    for t in (out, jg, ju, yq):
-        t[used:].zero_()
-    return out.to(dtype), jg, ju, yq
+    return expert_rows_ffn(x_NI, w_gate_EHI, w_up_EHI, w_down_EIH, counts_E, kind, beta1, beta2, act_fmt, block)
 
 
 def expert_rows_ffn_bwd_ref(

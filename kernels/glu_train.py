@@ -37,7 +37,7 @@ def _swiglu(g: Tensor, u: Tensor, y: Tensor, jg: Tensor, ju: Tensor, s: list[Ten
     """SwiGLU y = silu(g) u, dy/dg = u silu'(g) = u sigmoid(g) (1 + g (1 - sigmoid(g))), dy/du = silu(g)."""
     sg = s[0]
     torch.sigmoid(g, out=sg)
-    torch.mul(g, sg, out=ju)  # silu
+    torch.ops.aten.silu.out(g, out=ju)  # F.silu's own kernel: the bits of swiglu_ref (g * sigmoid(g) is not)
     torch.sub(g, ju, out=jg).add_(1).mul_(sg).mul_(u)  # sigmoid (1 + g - silu) u
     torch.mul(ju, u, out=y)
 

@@ -20,6 +20,10 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 torch.set_num_threads(1)
 
 ROOT = Path(__file__).resolve().parent.parent
+# `python -m pytest` puts the working directory first on sys.path, where the repository's top-level kernels/
+# folder would shadow the Hugging Face `kernels` package that transformers (5.25 and later) imports; the project
+# imports its own as k3compile.kernels (installed), so the repository root leaves the path.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 SPECS = ROOT / "specs"
 K3 = SPECS / "kimi-k3.yaml"
 KIMI_LINEAR = SPECS / "kimi-linear-48b-a3b.yaml"

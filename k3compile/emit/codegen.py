@@ -225,16 +225,18 @@ def _class(cls_name: str, base: str, doc: str, prefix: str, tables_gm: fx.GraphM
 
 
 K3_CALL = re.compile(r"torch\.ops\.k3\.(\w+)\.default\(")
-TORCH_BACKEND = ", backend = 'torch')"
+K3_BOUND_CALL = re.compile(r"torch\.ops\.k3\.(\w+)\.default\((.*?), backend = '(torch|c)'\)")
+DIRECT_MODULES = {"torch": "direct", "c": "direct.c"}
 
 
 def direct_calls(code: str) -> str:
     """`code` calling k3compile.ops.direct instead of the dispatcher: every k3 op call there is bound to its
-    PyTorch reference (backend "torch"), whose direct form runs the same functions without the custom op's
-    per-call overhead."""
-    if len(K3_CALL.findall(code)) != code.count(TORCH_BACKEND):
-        raise ValueError("direct calls need every k3 op bound to backend 'torch'")
-    return K3_CALL.sub(r"direct.\1(", code).replace(TORCH_BACKEND, ")")
+    PyTorch reference (backend "torch": `direct.<op>`) or its C kernel (backend "c": `direct.c.<op>`), whose
+    direct forms run the same functions without the custom op's per-call overhead."""
+    out = K3_BOUND_CALL.sub(lambda m: f"{DIRECT_MODULES[m[3]]}.{m[1]}({m[2]})", code)
+    if K3_CALL.search(out):
+        raise ValueError("direct calls need every k3 op bound to backend 'torch' or 'c'")
+    return out
 
 
 def model_source(
@@ -251,7 +253,7 @@ def model_source(
     functions: list[str] = []
     if "train" in graphs:
         funcs, body, imps = outlined(graphs["train"], "train", "graph", spec)
-        if target == "cpu":  # the CPU training module calls the references directly (k3compile.ops.direct)
+        if target == "cpu":  # the CPU training module calls its ops directly (k3compile.ops.direct)
             funcs, body = [direct_calls(f) for f in funcs], direct_calls(body)
             imps = [*imps, "from k3compile.ops import direct"]
         functions += funcs

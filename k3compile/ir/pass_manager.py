@@ -29,6 +29,7 @@ class PassContext:
     mode: str = "train"  # "train" or "infer"
     target: str = "cpu"
     graph: str = ""  # "train", "prefill" or "decode"; default: the train graph or, in infer mode, prefill
+    cpu_kernels: str = "auto"  # the CPU target's C kernels: "auto" (where they build), "c" or "torch"
 
     def __post_init__(self):
         if not self.graph:
@@ -45,6 +46,7 @@ class GraphPass:
     statistics: tuple[str, ...]
     run: Callable[[fx.GraphModule, PassContext], dict[str, int]]
     mode_dependent: bool = False  # reads ctx.mode: train and infer graphs part here
+    rtol: float | None = None  # --verify-numerics tolerance when not the manager's (bind_kernels: other kernels)
 
 
 @dataclass
@@ -177,11 +179,12 @@ class PassManager:
             self._run_on(small, p, ctx, inputs)
             after = small(*inputs)
         diff = _rel_diff(after, before)
-        if not diff <= self.rtol:
+        rtol = self.rtol if p.rtol is None else p.rtol
+        if not diff <= rtol:
             self.numerics = (snapshot, inputs)
             raise NumericsMismatch(
                 f"pass '{p.name}' is declared numerics-preserving but changed the outputs "
-                f"(relative difference {diff:.3g} > {self.rtol:g})"
+                f"(relative difference {diff:.3g} > {rtol:g})"
             )
         return diff
 

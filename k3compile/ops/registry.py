@@ -4,15 +4,16 @@ Every op in the `k3` namespace is an opaque node to torch.fx, torch.compile and
 export, runs on the meta device through its fake impl, and is differentiable
 through a backward op `k3::<name>_bwd`. Kernels plug in below the op, never beside it:
 every op's schema ends in `str backend="auto"`, and its implementation runs the PyTorch
-reference or the Triton kernel that `k3compile.kernels.binding` names for it (see `resolve`).
-The backward runs, on the same backend, a Triton module's `<fn>_bwd` or the op's hand-written
-reference backward (`k3_op(backward=...)`); an op with neither recomputes its reference under
-`torch.func.vjp`.
+reference, the Triton kernel or the C kernel that `k3compile.kernels.binding` names for it (see
+`resolve`). The backward runs, on the same backend, a kernel module's `<fn>_bwd` or the op's
+hand-written reference backward (`k3_op(backward=...)`); an op with neither recomputes its reference
+under `torch.func.vjp`.
 """
 
 from __future__ import annotations
 
 import inspect
+import warnings
 from collections.abc import Callable, Sequence
 
 import torch
@@ -22,7 +23,7 @@ from k3compile.kernels import binding
 from k3compile.kernels.launch import interpreting
 
 NAMESPACE = "k3"
-BACKENDS = ("auto", "torch", "triton")
+BACKENDS = ("auto", "torch", "triton", "c")
 REGISTERED: dict = {}  # name -> the custom op k3_op made (with its reference, for k3compile.ops.direct)
 
 
@@ -40,17 +41,21 @@ def _float64(args) -> bool:
 
 
 def resolve(name: str, backend: str, args: Sequence, *, fake: bool = False) -> str:
-    """"torch" or "triton": the implementation of k3::`name` for `backend` and these arguments.
+    """"torch", "triton" or "c": the implementation of k3::`name` for `backend` and these arguments.
 
     "auto" takes the Triton kernel for CUDA tensors when one exists, the reference otherwise; "triton"
-    insists on the kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1); "torch" is the reference.
-    float64 always runs the reference (Triton kernels are fp32/bf16/fp16; float64 is for gradchecks).
+    insists on the kernel (CUDA, or CPU tensors under TRITON_INTERPRET=1); "c" takes the CPU target's C
+    kernel (what bind_kernels chooses on the CPU target), or the reference, with a warning, on a machine
+    where the C kernels cannot be built; "torch" is the reference. float64 always runs the reference (the
+    kernels are fp32/bf16/fp16; float64 is for gradchecks).
     """
     if backend not in BACKENDS:
         raise ValueError(f"k3::{name}: backend must be one of {BACKENDS}, got {backend!r}")
-    has_kernel = name in binding.TRITON_KERNELS
     if backend == "torch" or _float64(args):
         return "torch"
+    if backend == "c":
+        return _resolve_c(name, args, fake)
+    has_kernel = name in binding.TRITON_KERNELS
     device = _device_of(args)
     if backend == "auto":
         return "triton" if has_kernel and device.type == "cuda" else "torch"
@@ -62,6 +67,27 @@ def resolve(name: str, backend: str, args: Sequence, *, fake: bool = False) -> s
             "the Triton kernel through the interpreter (or build with --target cpu)"
         )
     return "triton"
+
+
+_WARNED: set[str] = set()
+
+
+def _resolve_c(name: str, args: Sequence, fake: bool) -> str:
+    if name not in binding.C_KERNELS:
+        raise ValueError(f"k3::{name} has no C kernel (backend='c'); use backend='torch' or 'auto'")
+    if fake:
+        return "c"
+    device = _device_of(args)
+    if device.type != "cpu":
+        raise RuntimeError(f"k3::{name}: backend='c' runs on CPU tensors, got {device.type} (build for a GPU target)")
+    ok, why = binding.c_available()
+    if ok:
+        return "c"
+    if why not in _WARNED:
+        _WARNED.add(why)
+        warnings.warn(f"C kernels unavailable ({why}): the k3 ops bound to them run their PyTorch references",
+                      stacklevel=3)
+    return "torch"
 
 
 def _split_backend(n_params: int, args: tuple, kwargs: dict) -> tuple[list, str]:
@@ -127,8 +153,11 @@ def k3_op(
 
         def impl(*args, **kwargs):
             args, backend = _split_backend(n_params, args, kwargs)
-            if resolve(name, backend, args) == "triton":
+            chosen = resolve(name, backend, args)
+            if chosen == "triton":
                 return binding.triton_function(name)(*args)
+            if chosen == "c":
+                return binding.c_function(name)(*args)
             return ref(*args)
 
         def fake_impl(*args, **kwargs):
@@ -177,7 +206,12 @@ def _register_backward(
     def bwd_impl(grads: list[Tensor], *args, **kwargs) -> list[Tensor]:
         outputs = list(args[0]) if saves_outputs else []
         args, backend = _split_backend(len(params), args[int(saves_outputs):], kwargs)
-        kernel = binding.triton_function(name, "_bwd") if resolve(name, backend, args) == "triton" else ref_bwd
+        chosen = resolve(name, backend, args)
+        kernel = ref_bwd
+        if chosen == "triton":
+            kernel = binding.triton_function(name, "_bwd")
+        elif chosen == "c":
+            kernel = binding.c_function(name, "_bwd") or ref_bwd
         if kernel is not None:
             float_grads = [g for g in grads if g.is_floating_point()]
             got = kernel(float_grads, outputs, *args) if saves_outputs else kernel(float_grads, *args)

@@ -5,7 +5,9 @@ bf16, decoupled weight decay, `adjust_lr_fn`), except that a matrix may be cut a
 that are orthogonalised, and learning-rate-adjusted, separately, and that the Newton-Schulz dtype is a setting
 (`ns_dtype`): bf16 reproduces torch.optim.Muon bit for bit; fp32 is the fast one where the hardware has no native
 bf16 matmul (`muon_precision` decides, once per run). In fp32 one step orthogonalises every block of one shape,
-across all parameters (stacked experts, per-head blocks), as one batched matmul chain; bf16 goes matrix by matrix,
+across all parameters (stacked experts, per-head blocks), as one chain over the stack, kept in a buffer reused from
+step to step (on a CPU the chain runs matrix by matrix, each matrix's iterations in cache, the matrices side by side
+on the intra-op threads: twice the GEMM rate of torch.bmm there); bf16 goes matrix by matrix,
 because a batched bf16 matmul does not round exactly as the 2-D ones of torch.optim.Muon do (on oneDNN, about 1%
 of entries land one ulp away). AdamW groups call torch's own functional AdamW, so they match `torch.optim.AdamW`
 exactly. QK-clip (Kimi K2) rescales the heads whose max attention logit exceeds tau. An FSDP2-sharded (DTensor)
@@ -23,6 +25,8 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 import torch
 from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
+
+from k3compile.kernels.threads import side_by_side
 
 __all__ = [
     "ADAMW_NAME_PATTERNS",
@@ -107,17 +111,26 @@ def muon_precision(setting: str, device: torch.device | str = "cpu") -> tuple[to
 
 
 def newton_schulz(
-    g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype = torch.bfloat16
+    g: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, dtype: torch.dtype = torch.bfloat16,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Approximate the orthogonal factor U V^T of each matrix in `g` [..., A, B] by `steps` quintic Newton-Schulz
-    iterations in `dtype`, all matrices at once (one batched matmul chain).
+    iterations in `dtype`, all matrices at once (one chain over the batch).
 
     X <- a X + (b X X^T + c (X X^T)^2) X on the wide orientation of each matrix after scaling it to unit
     Frobenius norm: the op sequence of torch.optim.Muon, whose numbers it matches bit for bit on one bf16 matrix
-    (batches of several agree to rounding). Returns `dtype`, shaped like g.
+    (batches of several agree to rounding). Returns `dtype`, shaped like g; into `out` when given (g itself
+    allowed). A batch of fp32 CPU matrices runs matrix by matrix, each through its whole chain in cache (2-D
+    GEMMs run at 56-64 GFLOP/s against 28-42 for torch.bmm/baddbmm of the same 128 x 128 matrices on an AVX2
+    EPYC, docs/benchmarks.md); elsewhere the chain is batched matmuls.
     """
     a, b, c = coefficients
     tall = g.size(-2) > g.size(-1)
+    if dtype == torch.float32 and g.device.type == "cpu" and g.dim() > 2:
+        mats = g.reshape(-1, *g.shape[-2:])
+        dest = out if out is not None else torch.empty(g.shape, dtype=dtype, device=g.device)
+        _newton_schulz_each(mats, dest.view(mats.shape), coefficients, steps, eps, tall)
+        return dest
     x = g.to(dtype)
     if x.ndim > 3:
         x = x.flatten(0, -3)
@@ -129,7 +142,38 @@ def newton_schulz(
         gram = x @ x.mT
         poly = addmm(gram, gram, gram, beta=b, alpha=c)
         x = addmm(x, poly, x, beta=a)
-    return (x.mT if tall else x).reshape(g.shape)
+    result = (x.mT if tall else x).reshape(g.shape)
+    return result if out is None else out.copy_(result)
+
+
+def _newton_schulz_each(
+    mats: Tensor, out: Tensor, coefficients: tuple[float, float, float], steps: int, eps: float, tall: bool
+) -> None:
+    """`newton_schulz` of each fp32 matrix of `mats` [M, A, B] into out[i] (out may be mats), through four small
+    reused buffers: no temporary the size of the batch. With several torch threads the matrices go side by side,
+    each single-threaded (k3compile.kernels.threads)."""
+    norms = torch.linalg.vector_norm(mats, dim=(-2, -1)).clamp_(min=eps)
+    side_by_side(lambda share: _newton_schulz_range(mats, out, norms, coefficients, steps, tall, share),
+                 range(mats.shape[0]))
+
+
+def _newton_schulz_range(
+    mats: Tensor, out: Tensor, norms: Tensor, coefficients: tuple[float, float, float], steps: int, tall: bool,
+    indices: Sequence[int],
+) -> None:
+    a, b, c = coefficients
+    wide = mats.mT if tall else mats
+    rows, cols = wide.shape[-2:]
+    cur, nxt = mats.new_empty(rows, cols), mats.new_empty(rows, cols)
+    gram, poly = mats.new_empty(rows, rows), mats.new_empty(rows, rows)
+    for i in indices:
+        torch.div(wide[i], norms[i], out=cur)
+        for _ in range(steps):
+            torch.mm(cur, cur.T, out=gram)
+            torch.addmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+            torch.addmm(cur, poly, cur, beta=a, out=nxt)
+            cur, nxt = nxt, cur
+        (out[i].T if tall else out[i]).copy_(cur)
 
 
 def _adjusted_lr(lr: float, adjust_lr_fn: str | None, rows: int, cols: int) -> float:
@@ -249,6 +293,7 @@ class PerHeadMuon(torch.optim.Optimizer):
             ),
         }
         self.qk_clip_tau = qk_clip_tau
+        self._buffers: dict[tuple, Tensor] = {}  # Newton-Schulz workspaces by (shape, dtype, device), not state
         self._qk_pairs: dict[str, tuple[Tensor, Tensor, int, int]] = {}
         groups = list(params)
         if groups and not isinstance(groups[0], dict):
@@ -400,14 +445,24 @@ class PerHeadMuon(torch.optim.Optimizer):
                     for p_mat, u_mat in zip(p_blk, u_blk):
                         p_mat.add_(newton_schulz(u_mat, coefficients, steps, eps, dtype), alpha=alpha)
                 continue
-            stacked = torch.cat([u for _, u, _ in items]) if len(items) > 1 else items[0][1]
-            ortho = newton_schulz(stacked, coefficients, steps, eps, dtype)
+            stacked = self._workspace(items, dtype)
+            ortho = newton_schulz(stacked, coefficients, steps, eps, dtype, out=stacked)
             for (p_blk, _, alpha), o in zip(items, ortho.split([u.shape[0] for _, u, _ in items])):
                 p_blk.add_(o, alpha=alpha)
         for p, delta in gathered:
             from torch.distributed.tensor import distribute_tensor
 
             p.add_(distribute_tensor(delta, p.device_mesh, p.placements, src_data_rank=None))  # local rows, no comms
+
+    def _workspace(self, items: list[tuple[Tensor, Tensor, float]], dtype: torch.dtype) -> Tensor:
+        """The blocks' updates stacked [M, rows, cols] in `dtype`, in a buffer kept from step to step (a fresh one of
+        tens of MB would be mapped, and its pages faulted in, at every step)."""
+        shape = (sum(u.shape[0] for _, u, _ in items), *items[0][1].shape[1:])
+        key = (shape, dtype, items[0][1].device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(shape, dtype=dtype, device=key[2])
+        return torch.cat([u for _, u, _ in items], out=buf) if len(items) > 1 else buf.copy_(items[0][1])
 
     def _adamw_step(self, group: dict) -> None:
         params, grads, exp_avgs, exp_avg_sqs, steps = [], [], [], [], []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import copy
 import json
 from pathlib import Path
@@ -253,6 +255,17 @@ def test_tolerance_is_configurable(ctx):
     pm = PassManager([PERTURB], numerics=(small_gm(), INPUTS), rtol=1.0)
     pm.run(small_gm(), ctx, INPUTS)
     assert 0 < pm.records[0].max_rel_diff <= 1.0
+
+
+def test_a_pass_may_declare_its_own_tolerance(ctx):
+    """bind_kernels' way: a pass whose kernels round differently declares the tolerance it keeps."""
+    loose = dataclasses.replace(PERTURB, rtol=1.0)
+    pm = PassManager([loose], numerics=(small_gm(), INPUTS))
+    pm.run(small_gm(), ctx, INPUTS)
+    assert 0 < pm.records[0].max_rel_diff <= 1.0
+    tight = dataclasses.replace(PERTURB, rtol=1e-9)
+    with pytest.raises(NumericsMismatch, match=r"> 1e-09\)"):
+        PassManager([tight], numerics=(small_gm(), INPUTS), rtol=1.0).run(small_gm(), ctx, INPUTS)
 
 
 def test_broken_pass_is_caught_on_k3_tiny(spec, ctx):

@@ -75,7 +75,7 @@ def test_float64_always_runs_the_reference(monkeypatch):
 
 def test_resolve_rules(monkeypatch):
     cpu = (torch.ones(2),)
-    assert BACKENDS == ("auto", "torch", "triton")
+    assert BACKENDS == ("auto", "torch", "triton", "c")
     assert resolve("rms_norm", "auto", cpu) == "torch"
     assert resolve("rms_norm", "torch", cpu) == "torch"
     assert resolve("rms_norm", "triton", cpu) == "triton"  # CPU tensors under TRITON_INTERPRET=1

@@ -1,5 +1,5 @@
-"""k3compile.ops.direct: the emitted CPU training module calls the ops' references without the dispatcher, with
-the dispatcher's values and gradients bit for bit."""
+"""k3compile.ops.direct: the emitted CPU training module calls the ops' references and C kernels without the
+dispatcher, with the dispatcher's values and gradients bit for bit."""
 
 from __future__ import annotations
 
@@ -27,9 +27,11 @@ def built(tmp_path_factory):
 
 
 def dispatching_twin(dest: Path, tmp: Path):
-    """The emitted model.py with every direct call put back through torch.ops.k3 (backend "auto": on CPU
-    tensors the reference, as "torch")."""
-    src = re.sub(r"\bdirect\.(\w+)\(", r"torch.ops.k3.\1.default(", (dest / "model.py").read_text())
+    """The emitted model.py with every direct call put back through torch.ops.k3: `direct.<op>` on backend
+    "auto" (on CPU tensors the reference, as "torch"), `direct.c.<op>` on backend "c"."""
+    src = re.sub(r"\bdirect\.c\.(\w+)\(", r"c_op('\1')(", (dest / "model.py").read_text())
+    src = re.sub(r"\bdirect\.(\w+)\(", r"torch.ops.k3.\1.default(", src)
+    src += "\n\ndef c_op(name):\n    return lambda *args: getattr(torch.ops.k3, name).default(*args, backend='c')\n"
     path = tmp / "twin.py"
     path.write_text(src)
     spec = importlib.util.spec_from_file_location("dispatching_twin", path)
@@ -53,7 +55,9 @@ def test_cpu_training_code_calls_the_references_directly(built):
     train = train_code(source)
     assert "from k3compile.ops import direct" in source
     calls = {name for line in train for name in re.findall(r"\bdirect\.(\w+)\(", line)}
-    assert {"kda_chunk", "expert_rows_ffn", "attn_res_normed", "mx_fake_quantize", "quantile_balance_update"} <= calls
+    assert {"kda_chunk", "quantile_balance_update", "moe_dispatch_rows", "linear_route"} <= calls
+    c_calls = {name for line in train for name in re.findall(r"\bdirect\.c\.(\w+)\(", line)}
+    assert {"expert_rows_ffn", "attn_res_normed", "mx_fake_quantize", "rms_norm", "short_conv"} <= c_calls
     assert len(train) > 100 and not any("torch.ops.k3" in line or "backend" in line for line in train)
     infer = source[source.index("def prefill_"):source.index("class Model(")]
     assert "torch.ops.k3.kda_chunk.default(" in infer and "direct." not in infer
@@ -88,5 +92,10 @@ def test_non_differentiable_ops_return_no_graph():
 def test_unknown_names_and_bound_kernels_are_refused():
     with pytest.raises(AttributeError):
         direct.no_such_op  # noqa: B018
-    with pytest.raises(ValueError, match="backend 'torch'"):
+    with pytest.raises(ValueError, match="backend 'torch' or 'c'"):
         direct_calls("y = torch.ops.k3.rms_norm.default(x, w, 1e-05, backend = 'triton')")
+    with pytest.raises(AttributeError, match="no C kernel"):
+        direct.c.kda_chunk  # noqa: B018
+    assert direct_calls("y = torch.ops.k3.rms_norm.default(x, w, 1e-05, backend = 'c')  # [B, T, 256]") == (
+        "y = direct.c.rms_norm(x, w, 1e-05)  # [B, T, 256]"
+    )

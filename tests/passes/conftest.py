@@ -21,10 +21,12 @@ def _load(name: str = "k3-tiny.yaml", *overrides: str):
     return load_spec(SPECS / name, overrides=list(overrides))
 
 
-def _run_passes(spec, names, *, device="cpu", mode="train", target=None, graph=None):
+def _run_passes(spec, names, *, device="cpu", mode="train", target=None, graph=None, cpu_kernels="torch"):
     """Lower `graph` of `spec` and run the named pipeline passes in order: (graph, example inputs, records).
 
-    `graph` defaults to the mode's first graph: "train" in train mode, "prefill" in infer mode.
+    `graph` defaults to the mode's first graph: "train" in train mode, "prefill" in infer mode. bind_kernels, when
+    named, binds the CPU target's references unless `cpu_kernels` says otherwise (the passes' numbers are checked
+    against the references; the C kernels have their own tests).
     """
     from k3compile.build import GRAPHS_OF_MODE, pipeline
     from k3compile.ir.lower import lower
@@ -34,7 +36,7 @@ def _run_passes(spec, names, *, device="cpu", mode="train", target=None, graph=N
     by_name = {p.name: p for p in pipeline()}
     lowered = lower(spec, device, graph=graph)
     manager = PassManager([by_name[n] for n in names])
-    ctx = PassContext(spec, mode, target or spec.target, graph)
+    ctx = PassContext(spec, mode, target or spec.target, graph, cpu_kernels)
     manager.run(lowered.gm, ctx, lowered.example_inputs)
     return lowered.gm, lowered.example_inputs, manager.records
 
@@ -47,7 +49,8 @@ def load():
 
 @pytest.fixture(scope="session")
 def run_passes():
-    """run_passes(spec, names, device="cpu", mode="train", target=None, graph=None) -> (gm, example_inputs, records)."""
+    """run_passes(spec, names, device="cpu", mode="train", target=None, graph=None, cpu_kernels="torch") ->
+    (gm, example_inputs, records)."""
     return _run_passes
 
 
@@ -59,10 +62,11 @@ def tiny_spec():
 @pytest.fixture(scope="session")
 def tiny_build(tiny_spec):
     """k3-tiny compiled for train and infer with real seeded weights and every numerics-preserving pass checked:
-    {"train", "prefill", "decode"} -> CompiledGraph."""
+    {"train", "prefill", "decode"} -> CompiledGraph. Bound to the PyTorch references (cpu_kernels="torch"), so the
+    passes' claims are checked to their own tolerance; test_bind_kernels rebinds copies to the C kernels."""
     from k3compile.build import BuildOptions, compile_graphs
 
-    return compile_graphs(tiny_spec, ("train", "infer"), BuildOptions(verify_numerics=True))
+    return compile_graphs(tiny_spec, ("train", "infer"), BuildOptions(verify_numerics=True, cpu_kernels="torch"))
 
 
 @pytest.fixture(scope="session")

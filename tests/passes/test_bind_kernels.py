@@ -1,4 +1,5 @@
-"""bind_kernels: every op node records its implementation; cpu binds the references, GPU targets say why not."""
+"""bind_kernels: every op node records its implementation; cpu binds the C kernels where they exist (the
+references with cpu_kernels="torch"), GPU targets the Triton kernels, and every fallback says why."""
 
 from __future__ import annotations
 
@@ -42,8 +43,9 @@ def rebound(request, tiny_spec, tiny_build):
 
 
 @pytest.mark.parametrize("graph", GRAPHS)
-def test_every_op_node_is_bound_on_cpu(tiny_build, record, graph):
-    gm = tiny_build[graph].gm
+def test_every_op_node_is_bound_on_cpu(tiny_spec, tiny_build, graph):
+    gm = copy.deepcopy(tiny_build[graph].gm)  # built over the references; bound again as a default build binds
+    stats = bind_kernels.run(gm, PassContext(tiny_spec, "infer", "cpu", graph))
     ops = op_nodes(gm)
     k3 = [n for n in ops if is_k3(n)]
     assert k3 and len(k3) < len(ops)
@@ -52,12 +54,35 @@ def test_every_op_node_is_bound_on_cpu(tiny_build, record, graph):
         if n.op not in OP_KINDS:
             assert kernel is None, n.name
         elif is_k3(n):
-            assert kernel == {"op": n.target._schema.name, "impl": "torch", "reason": "PyTorch reference on CPU"}
-            assert n.kwargs["backend"] == "torch"
+            op = n.target._schema.name.removeprefix("k3::")
+            if op in binding.C_KERNELS:
+                want = {"impl": f"c:{binding.C_KERNELS[op]}", "reason": "C kernel built for this CPU"}
+            else:
+                want = {"impl": "torch", "reason": "PyTorch reference on CPU"}
+            assert kernel == {"op": f"k3::{op}", **want}
+            assert n.kwargs["backend"] == want["impl"].partition(":")[0]
         else:
             assert kernel["impl"] == "native" and kernel["op"].startswith("torch.") and kernel["reason"], n.name
+    c = sum(n.kwargs["backend"] == "c" for n in k3)
+    assert c > 0 and stats == {"k3_ops": len(k3), "triton": 0, "c": c, "reference": len(k3) - c,
+                               "native": len(ops) - len(k3)}
+
+
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_cpu_kernels_torch_keeps_every_reference(record, tiny_build, graph):
     stats = record(graph, "bind_kernels").statistics
-    assert stats == {"k3_ops": len(k3), "triton": 0, "reference": len(k3), "native": len(ops) - len(k3)}
+    assert stats["c"] == 0 and stats["reference"] == stats["k3_ops"] > 0
+    for n in tiny_build[graph].gm.graph.nodes:
+        if is_k3(n):
+            op = n.target._schema.name.removeprefix("k3::")
+            reason = "C kernels off (cpu_kernels='torch')" if op in binding.C_KERNELS else "PyTorch reference on CPU"
+            assert n.meta["kernel"]["reason"] == reason and n.kwargs["backend"] == "torch"
+
+
+def test_an_unknown_cpu_kernels_choice_is_refused(tiny_spec, tiny_build):
+    gm = copy.deepcopy(tiny_build["decode"].gm)
+    with pytest.raises(ValueError, match="cpu_kernels must be one of"):
+        bind_kernels.run(gm, PassContext(tiny_spec, "infer", "cpu", "decode", cpu_kernels="fast"))
 
 
 def test_h200_records_the_reason_for_each_fallback(rebound):
@@ -90,8 +115,9 @@ def test_h200_binding_records_the_tuned_configs(tiny_spec, tiny_build, monkeypat
         kernel = n.meta["kernel"]
         assert kernel["impl"] == "triton:norms_triton.rms_norm" and kernel["reason"] == "tuned for h200"
         assert kernel["config"] == tuned["norms_triton"] and n.kwargs["backend"] == "triton"
-    cpu = bind_kernels.run(gm, PassContext(tiny_spec, "train", "cpu"))  # cpu always binds the references
-    assert cpu["triton"] == 0 and norms[0].meta["kernel"]["impl"] == "torch" and norms[0].kwargs["backend"] == "torch"
+    cpu = bind_kernels.run(gm, PassContext(tiny_spec, "train", "cpu"))  # cpu: the C kernels, never Triton
+    assert cpu["triton"] == 0 and norms[0].meta["kernel"]["impl"] == "c:norms_c.rms_norm"
+    assert norms[0].kwargs["backend"] == "c"
 
 
 def test_unknown_target_is_rejected(tiny_spec, tiny_build):
@@ -116,7 +142,9 @@ def test_op_names():
 def test_numerics_checked_in_the_build(record):
     for graph in GRAPHS:
         r = record(graph, "bind_kernels")
-        assert r.preserves_numerics and r.max_rel_diff == 0.0  # binding only annotates nodes
+        assert r.preserves_numerics and r.max_rel_diff == 0.0  # bound to the references: it only annotates nodes
+    # bound to the C kernels it may move the outputs by fp32 rounding, and MX roundings behind it by a step
+    assert bind_kernels.PASS.rtol == 1e-3
 
 
 def test_every_numerics_preserving_pass_was_checked(tiny_build):

@@ -74,7 +74,7 @@ def test_fp32_blocks_of_one_shape_are_batched_across_parameters(monkeypatch):
 
     calls = []
     real = muon.newton_schulz
-    monkeypatch.setattr(muon, "newton_schulz", lambda g, *a: calls.append(tuple(g.shape)) or real(g, *a))
+    monkeypatch.setattr(muon, "newton_schulz", lambda g, *a, **kw: calls.append(tuple(g.shape)) or real(g, *a, **kw))
     ps = _params((8, 12), (2, 8, 12), (16, 12))  # 1 + 2 + 2 blocks of 8 x 12 (the last cut in two heads)
     opt = PerHeadMuon([{"params": ps[:2]}, {"params": ps[2:], "head_split": 2}], ns_dtype=torch.float32)
     _run(opt, ps, _grads([p.shape for p in ps], steps=1))

@@ -1,0 +1,89 @@
+"""C kernels of rms_inv and attn_res_normed for the CPU target (kernels/csrc/attn_res.c).
+
+One pass per token over its S sources (fp32, contiguous): the logits, the softmax and the mix in the forward;
+the logits again, then every source's gradient, the 1/rms gradients and the query's partial sums in the
+backward (one partial row per thread, summed here). fp16/bf16 round trip through fp32 as the references'
+upcasts do; float64 keeps the references. Values agree with them to fp32 rounding (other summation orders).
+"""
+
+from __future__ import annotations
+
+from ctypes import c_float, c_int, c_int64, c_void_p
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels import attn_res_normed as ref
+from k3compile.kernels import native
+
+MAX_SOURCES = 256  # the C kernels keep a token's per-source scalars on the stack
+_RMS = (c_void_p, c_void_p, c_int64, c_int64, c_float, c_int)
+_RMS_BWD = (c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_float, c_int)
+_MIX = (c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int)
+_MIX_BWD = (c_void_p,) * 7 + (c_int64, c_int64, c_int64, c_int)
+
+
+def _f32(t: Tensor) -> Tensor:
+    return t.to(torch.float32).contiguous()
+
+
+def rms_inv(x_BTD: Tensor, eps: float) -> Tensor:
+    """r [B, T] = 1/sqrt(mean(x^2) + eps), as `rms_inv_ref`."""
+    if x_BTD.dtype == torch.float64:
+        return ref.rms_inv_ref(x_BTD, eps)
+    x = _f32(x_BTD)
+    r = torch.empty(x.shape[:-1], dtype=torch.float32)
+    native.function("k3_rms_inv", _RMS)(x.data_ptr(), r.data_ptr(), r.numel(), x.shape[-1], eps, native.threads())
+    return r
+
+
+def rms_inv_bwd(grads: list[Tensor], x_BTD: Tensor, eps: float) -> list[Tensor]:
+    """[dx] of `rms_inv` for grads = [dr]."""
+    if x_BTD.dtype == torch.float64:
+        return ref.rms_inv_bwd_ref(grads, x_BTD, eps)
+    x, dr = _f32(x_BTD), _f32(grads[0])
+    dx = torch.empty_like(x)
+    native.function("k3_rms_inv_bwd", _RMS_BWD)(
+        dr.data_ptr(), x.data_ptr(), dx.data_ptr(), dr.numel(), x.shape[-1], eps, native.threads()
+    )
+    return [dx.to(x_BTD.dtype)]
+
+
+def _fits(sources_SBTD: Tensor) -> bool:
+    return sources_SBTD.dtype != torch.float64 and sources_SBTD.shape[0] <= MAX_SOURCES
+
+
+def attn_res_normed(sources_SBTD: Tensor, rinv_SBT: Tensor, query_D: Tensor, norm_weight_D: Tensor) -> Tensor:
+    """h = sum_i softmax_i(r_i (v_i . (query * norm_weight))) v_i, as `attn_res_normed_ref`."""
+    if not _fits(sources_SBTD):
+        return ref.attn_res_normed_ref(sources_SBTD, rinv_SBT, query_D, norm_weight_D)
+    v, r = _f32(sources_SBTD), _f32(rinv_SBT)
+    u = _f32(query_D * norm_weight_D) if query_D.dtype == torch.float32 else _f32(query_D) * _f32(norm_weight_D)
+    S, D = v.shape[0], v.shape[-1]
+    h = torch.empty(v.shape[1:], dtype=torch.float32)
+    native.function("k3_attn_res_normed", _MIX)(
+        v.data_ptr(), r.data_ptr(), u.data_ptr(), h.data_ptr(), S, h.numel() // D, D, native.threads()
+    )
+    return h.to(sources_SBTD.dtype)
+
+
+def attn_res_normed_bwd(
+    grads: list[Tensor], sources_SBTD: Tensor, rinv_SBT: Tensor, query_D: Tensor, norm_weight_D: Tensor
+) -> list[Tensor]:
+    """[dsources, drinv, dquery, dnorm_weight] of `attn_res_normed` for grads = [dh]."""
+    if not _fits(sources_SBTD):
+        return ref.attn_res_normed_bwd_ref(grads, sources_SBTD, rinv_SBT, query_D, norm_weight_D)
+    v, r, dh = _f32(sources_SBTD), _f32(rinv_SBT), _f32(grads[0])
+    q, w = _f32(query_D), _f32(norm_weight_D)
+    u = q * w
+    S, D = v.shape[0], v.shape[-1]
+    threads = native.threads()
+    dv, dr = torch.empty_like(v), torch.empty_like(r)
+    du = torch.zeros(threads, D, dtype=torch.float32)
+    native.function("k3_attn_res_normed_bwd", _MIX_BWD)(
+        dh.data_ptr(), v.data_ptr(), r.data_ptr(), u.data_ptr(), dv.data_ptr(), dr.data_ptr(), du.data_ptr(),
+        S, dh.numel() // D, D, threads,
+    )
+    du = du.sum(dim=0)
+    return [dv.to(sources_SBTD.dtype), dr.to(rinv_SBT.dtype), (du * w).to(query_D.dtype),
+            (du * q).to(norm_weight_D.dtype)]

@@ -1,0 +1,59 @@
+"""C kernels of glu_train for the CPU target (kernels/csrc/glu.c): the activation and its derivatives in one pass.
+
+`glu_fill` is also the middle of expert_rows_ffn's C form, where the activation is MX fake-quantised in the same
+pass. libmvec's expf/tanhf (or libm's) stand in for torch's, so values agree with the reference to fp32 rounding,
+not bit for bit; the backward's two multiplies are the reference's exactly.
+"""
+
+from __future__ import annotations
+
+from ctypes import c_float, c_int, c_int64, c_void_p
+
+import torch
+from torch import Tensor
+
+from k3compile.kernels import native
+from k3compile.kernels.activations import GLU_KINDS, check_glu_kind
+from k3compile.kernels.glu_train import glu_train_bwd_ref, glu_train_ref
+from k3compile.kernels.mx_c import format_args
+
+_FILL = (c_void_p,) * 5 + (c_int64, c_int, c_float, c_float, c_int, c_int, c_int, c_int, c_float, c_int)
+_GRADS = (c_void_p,) * 5 + (c_int64, c_int)
+_NO_FORMAT = (0, -1, 0, 0.0)  # emax < 0: no quantisation
+
+
+def glu_fill(g: Tensor, u: Tensor, y: Tensor, jg: Tensor, ju: Tensor, kind: str, beta1: float, beta2: float,
+             act_fmt: str | None = None, block: int = 32) -> None:
+    """y = act(g, u) (MX fake-quantised to act_fmt in blocks of `block` along the last dim, when given), dy/dg and
+    dy/du, into contiguous fp32 tensors of one shape."""
+    fmt = format_args(act_fmt) if act_fmt is not None else _NO_FORMAT
+    native.function("k3_glu_fill", _FILL)(
+        g.data_ptr(), u.data_ptr(), y.data_ptr(), jg.data_ptr(), ju.data_ptr(), g.numel(), GLU_KINDS.index(kind),
+        beta1, beta2, block, *fmt, native.threads(),
+    )
+
+
+def glu_train(gate: Tensor, up: Tensor, kind: str, beta1: float, beta2: float) -> tuple[Tensor, Tensor, Tensor]:
+    """(act(gate, up) in gate's dtype, dy/dgate, dy/dup in fp32), as `glu_train_ref`."""
+    check_glu_kind(kind, "glu_train")
+    if gate.dtype == torch.float64:
+        return glu_train_ref(gate, up, kind, beta1, beta2)
+    g = gate.to(torch.float32).contiguous()
+    u = up.to(torch.float32).contiguous()
+    y, jg, ju = (torch.empty(gate.shape, dtype=torch.float32) for _ in range(3))
+    glu_fill(g, u, y, jg, ju, kind, beta1, beta2)
+    return y.to(gate.dtype), jg, ju
+
+
+def glu_train_bwd(grads: list[Tensor], outputs: list[Tensor], gate: Tensor, up: Tensor, kind: str, beta1: float,
+                  beta2: float) -> list[Tensor]:
+    """[dgate, dup] = dy * (dy/dgate, dy/dup), one pass."""
+    _, jg, ju = outputs
+    if jg.dtype != torch.float32:
+        return glu_train_bwd_ref(grads, outputs, gate, up, kind, beta1, beta2)
+    gy = grads[0].to(torch.float32).contiguous()
+    dg, du = torch.empty_like(jg), torch.empty_like(ju)
+    native.function("k3_glu_grads", _GRADS)(
+        gy.data_ptr(), jg.data_ptr(), ju.data_ptr(), dg.data_ptr(), du.data_ptr(), gy.numel(), native.threads()
+    )
+    return [dg.to(gate.dtype), du.to(up.dtype)]

@@ -1,0 +1,148 @@
+"""The CPU target's C kernels: `kernels/csrc/*.c` compiled once per machine into one shared library, loaded by ctypes.
+
+The C sources are plain C11 with OpenMP loops (no Python or PyTorch headers), so a build takes about a second
+with the system compiler (`$CC`, else `cc`, `gcc` or `clang`), for this CPU (`-march=native`). Where glibc's
+vector maths library (libmvec) links, `expf`/`tanhf` in `#pragma omp simd` loops call its vector forms
+(K3_VECTOR_MATH); elsewhere the loops call the scalar libm functions. The library lands in
+`$K3COMPILE_CACHE/kernels` (default `$XDG_CACHE_HOME/k3compile` or `~/.cache/k3compile`), named by a hash of
+the sources, flags, compiler and CPU, written to a temporary name and renamed into place, so concurrent
+processes never read a half-written file. `K3COMPILE_C_KERNELS=0` turns the kernels off for the process.
+Without a compiler nothing fails: `available()` says why, and every op keeps its PyTorch reference.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+CSRC = Path(__file__).parent / "csrc"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+         "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")  # contract off: the same bits on every x86 ISA
+_PROBE = """
+__attribute__((simd("notinbranch"))) float expf(float);
+void f(float *x, int n) {
+#pragma omp simd
+  for (int i = 0; i < n; i++) x[i] = expf(x[i]);
+}
+"""
+
+
+class NativeUnavailable(RuntimeError):
+    """The C kernels cannot be built or loaded on this machine (the message says why)."""
+
+
+def cache_dir() -> Path:
+    """Where compiled libraries are kept: $K3COMPILE_CACHE, else $XDG_CACHE_HOME/k3compile, else ~/.cache/k3compile."""
+    root = os.environ.get("K3COMPILE_CACHE")
+    if root:
+        return Path(root)
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "k3compile"
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return shutil.which(name)
+    return None
+
+
+def _run(cmd: list[str], cwd: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def _machine(cc: str) -> str:
+    """The compiler's version and what -march=native means here: a build for one CPU is never loaded on another."""
+    version = _run([cc, "--version"]).stdout
+    native = _run([cc, "-march=native", "-E", "-v", "-x", "c", os.devnull]).stderr
+    return version + "\n".join(line for line in native.splitlines() if "march" in line)
+
+
+def _vector_math(cc: str, work: str) -> bool:
+    """Whether libmvec's vector expf/tanhf link here (glibc 2.35 and later on x86-64)."""
+    probe = Path(work) / "probe.c"
+    probe.write_text(_PROBE)
+    done = _run([cc, *FLAGS, "-o", str(Path(work) / "probe.so"), str(probe), "-lmvec", "-lm"])
+    return done.returncode == 0
+
+
+def _build(cc: str, dest: Path) -> None:
+    """Compile every csrc/*.c into `dest`, through a temporary file renamed into place."""
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="k3cc-") as work:
+        libs = ["-lmvec", "-lm"] if _vector_math(cc, work) else ["-lm"]
+        defines = ["-DK3_VECTOR_MATH=1"] if "-lmvec" in libs else []
+        out = Path(work) / dest.name
+        sources = [str(p) for p in sorted(CSRC.glob("*.c"))]
+        done = _run([cc, *FLAGS, *defines, f"-I{CSRC}", "-o", str(out), *sources, *libs])
+        if done.returncode != 0:
+            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
+            raise NativeUnavailable(f"{Path(cc).name} could not compile kernels/csrc: {first}")
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
+        os.close(fd)
+        shutil.copyfile(out, tmp)
+        os.replace(tmp, dest)
+
+
+@lru_cache(maxsize=None)
+def library() -> ctypes.CDLL:
+    """The loaded C kernels, built on first use; NativeUnavailable when they are off or cannot be built."""
+    if os.environ.get("K3COMPILE_C_KERNELS", "1").lower() in ("0", "false", "off", "no"):
+        raise NativeUnavailable("C kernels turned off (K3COMPILE_C_KERNELS=0)")
+    cc = _compiler()
+    if cc is None:
+        raise NativeUnavailable("no C compiler found ($CC, cc, gcc or clang)")
+    key = hashlib.sha256()
+    for part in (*FLAGS, _machine(cc), *(p.name + p.read_text() for p in sorted(CSRC.glob("*.c")))):
+        key.update(part.encode())
+    for h in sorted(CSRC.glob("*.h")):
+        key.update(h.read_bytes())
+    name = f"libk3cpu-{key.hexdigest()[:16]}.so"
+    dest = cache_dir() / "kernels" / name
+    if not dest.exists():
+        try:
+            _build(cc, dest)
+        except OSError:  # the cache is not writable: build for this process only
+            dest = Path(tempfile.mkdtemp(prefix="k3cpu-")) / name
+            _build(cc, dest)
+    try:
+        return ctypes.CDLL(str(dest))
+    except OSError as e:
+        raise NativeUnavailable(f"cannot load {dest}: {e}") from None
+
+
+def available() -> tuple[bool, str]:
+    """(whether the C kernels run here, why not when they don't)."""
+    try:
+        library()
+    except NativeUnavailable as e:
+        return False, str(e)
+    return True, "C kernels built for this CPU"
+
+
+def threads() -> int:
+    """OpenMP threads a kernel may use: torch's intra-op thread count."""
+    return torch.get_num_threads()
+
+
+def ptr(t: Tensor | None) -> int | None:
+    """A tensor's data address for a C kernel (None for an absent tensor: a NULL pointer)."""
+    return None if t is None else t.data_ptr()
+
+
+@lru_cache(maxsize=None)
+def function(name: str, argtypes: tuple) -> ctypes._CFuncPtr:
+    """C function `name` of the library with its argument types declared (ctypes.c_void_p, c_int64, c_float)."""
+    fn = getattr(library(), name)
+    fn.argtypes = list(argtypes)
+    fn.restype = None
+    return fn
