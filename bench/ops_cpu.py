@@ -18,7 +18,7 @@ forward+backward counts 3x the forward. The matmul row is an n x n x n fp32 matm
 ratios: each op at k3-tiny's training shapes (batch 8 x 128, fp32): the forward with inputs that require
 grad, then its backward (torch.autograd.grad with random cotangents), run in turn; bwd/fwd is the ratio of
 their CPU times. The "recompute" columns time what a backward that recomputes the reference under
-torch.func.vjp costs instead (the registry's generic backward), in the same run. Rows marked [c] run the C
+torch.func.vjp costs instead (the registry's generic backward), in the same run. Rows named c:<op> run the C
 kernels a CPU build binds (backend "c"; absent where they cannot be built). A plain linear layer and KDA chunk
 (both with their own backwards) are rows for scale.
 
@@ -89,7 +89,7 @@ def print_table(title: str, columns: Sequence[str], body: list[Sequence[str]]) -
         return
     table = Table(title=title)
     for i, h in enumerate(columns):
-        table.add_column(h, justify="left" if i == 0 else "right")
+        table.add_column(h, justify="left" if i == 0 else "right", no_wrap=i == 0)  # the op names whole
     for row in body:
         table.add_row(*row)
     Console(width=max(120, sum(len(c) + 3 for c in columns))).print(table)
@@ -212,19 +212,19 @@ def c_kernel_cases(randn: Callable, N: int, D: int, H: int, Kh: int, I: int) -> 
     S, T = 4, N // 8
     slots = torch.randperm(N * 4, generator=torch.Generator().manual_seed(1)).view(N, 4)
     return [
-        Case("attn_res_normed [c]", f"S={S} [{N}, {D}]", c(ops.attn_res_normed.default),
+        Case("c:attn_res_normed", f"S={S} [{N}, {D}]", c(ops.attn_res_normed.default),
              [randn(S, 8, T, D), 1 + randn(S, 8, T, scale=0.1), randn(D, scale=0.1), 1 + randn(D, scale=0.1)]),
-        Case("rms_norm [c]", f"[{N}, {D}]", c(ops.rms_norm.default), [randn(N, D), randn(D)], (1e-5,)),
-        Case("rms_norm_gate [c]", f"[{N}, {H}, {Kh}]", c(ops.rms_norm_gate.default),
+        Case("c:rms_norm", f"[{N}, {D}]", c(ops.rms_norm.default), [randn(N, D), randn(D)], (1e-5,)),
+        Case("c:rms_norm_gate", f"[{N}, {H}, {Kh}]", c(ops.rms_norm_gate.default),
              [randn(N, H, Kh), randn(Kh), randn(N, H, Kh)], (1e-5,)),
-        Case("l2_norm [c]", f"[{N}, {H}, {Kh}]", c(ops.l2_norm.default), [randn(N, H, Kh)], (1e-6,)),
-        Case("short_conv [c]", f"[8, {T}, {D}] W=4", c(ops.short_conv.default),
+        Case("c:l2_norm", f"[{N}, {H}, {Kh}]", c(ops.l2_norm.default), [randn(N, H, Kh)], (1e-6,)),
+        Case("c:short_conv", f"[8, {T}, {D}] W=4", c(ops.short_conv.default),
              [randn(8, T, D), randn(D, 4, scale=0.5)], (None,)),
-        Case("glu_train [c]", f"[{N}, {I}]", lambda g, u, *r: ops.glu_train.default(g, u, *r, backend="c")[0],
+        Case("c:glu_train", f"[{N}, {I}]", lambda g, u, *r: ops.glu_train.default(g, u, *r, backend="c")[0],
              [randn(N, I, scale=2), randn(N, I, scale=2)], ("situ_glu", 4.0, 25.0)),
-        Case("kda_gate [c]", f"[8, {T}, {H}, {Kh}]", c(ops.kda_gate.default),
+        Case("c:kda_gate", f"[8, {T}, {H}, {Kh}]", c(ops.kda_gate.default),
              [randn(8, T, H, Kh), randn(H, scale=0.5), randn(H * Kh)], ("lower_bounded_sigmoid", -5.0)),
-        Case("moe_combine [c]", f"[{N * 4}, {D}] K=4", c(ops.moe_combine.default),
+        Case("c:moe_combine", f"[{N * 4}, {D}] K=4", c(ops.moe_combine.default),
              [randn(1, N * 4, D), randn(N, 4).abs()], (slots,)),
     ]
 

@@ -143,10 +143,10 @@ def main() -> None:
 
 
 def c_kernel_calls(package) -> str:
-    """How many of the training module's k3 calls run C kernels, from the package's model.py."""
+    """How many of the training module's k3 call sites run C kernels, from the package's model.py."""
     source = Path(package.__file__).with_name("model.py").read_text()
     c, ref = source.count("direct.c."), len(re.findall(r"\bdirect\.(?!c\.)\w+\(", source))
-    return f"emitted: {c} of {c + ref} k3 calls in the training code on C kernels ({native.available()[1]})"
+    return f"emitted: {c} of {c + ref} k3 call sites in model.py on C kernels ({native.available()[1]})"
 
 
 def run(package, spec, batch: int, seq: int, steps: int, compile_too: bool, references=None) -> None:

@@ -1,7 +1,8 @@
 """The CPU target's C kernels: `kernels/csrc/*.c` compiled once per machine into one shared library, loaded by ctypes.
 
 The C sources are plain C11 with OpenMP loops (no Python or PyTorch headers), so a build takes about a second
-with the system compiler (`$CC`, else `cc`, `gcc` or `clang`), for this CPU (`-march=native`). Where glibc's
+with the system compiler (`$CC`, else `cc`, `gcc` or `clang`), for this CPU (`-march=native`; without OpenMP,
+single-threaded, where the compiler has none). Where glibc's
 vector maths library (libmvec) links, `expf`/`tanhf` in `#pragma omp simd` loops call its vector forms
 (K3_VECTOR_MATH); elsewhere the loops call the scalar libm functions. The library lands in
 `$K3COMPILE_CACHE/kernels` (default `$XDG_CACHE_HOME/k3compile` or `~/.cache/k3compile`), named by a hash of
@@ -18,6 +19,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
 
@@ -25,8 +27,11 @@ import torch
 from torch import Tensor
 
 CSRC = Path(__file__).parent / "csrc"
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+FLAGS = ("-O3", "-fPIC", "-shared", "-std=c11",
          "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math")  # contract off: the same bits on every x86 ISA
+# Tried in turn: this CPU's instructions and OpenMP threads; OpenMP's simd loops only (a compiler without its
+# runtime, as Apple's clang); plain C (a compiler that takes neither).
+VARIANTS = (("-march=native", "-fopenmp"), ("-march=native", "-fopenmp-simd"), ())
 _PROBE = """
 __attribute__((simd("notinbranch"))) float expf(float);
 void f(float *x, int n) {
@@ -67,26 +72,33 @@ def _machine(cc: str) -> str:
     return version + "\n".join(line for line in native.splitlines() if "march" in line)
 
 
-def _vector_math(cc: str, work: str) -> bool:
+def _vector_math(cc: str, work: str, flags: Sequence[str]) -> bool:
     """Whether libmvec's vector expf/tanhf link here (glibc 2.35 and later on x86-64)."""
     probe = Path(work) / "probe.c"
     probe.write_text(_PROBE)
-    done = _run([cc, *FLAGS, "-o", str(Path(work) / "probe.so"), str(probe), "-lmvec", "-lm"])
+    done = _run([cc, *flags, "-o", str(Path(work) / "probe.so"), str(probe), "-lmvec", "-lm"])
     return done.returncode == 0
 
 
 def _build(cc: str, dest: Path) -> None:
-    """Compile every csrc/*.c into `dest`, through a temporary file renamed into place."""
+    """Compile every csrc/*.c into `dest` (the first of VARIANTS that compiles), through a temporary file renamed
+    into place."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    sources = [str(p) for p in sorted(CSRC.glob("*.c"))]
     with tempfile.TemporaryDirectory(prefix="k3cc-") as work:
-        libs = ["-lmvec", "-lm"] if _vector_math(cc, work) else ["-lm"]
-        defines = ["-DK3_VECTOR_MATH=1"] if "-lmvec" in libs else []
         out = Path(work) / dest.name
-        sources = [str(p) for p in sorted(CSRC.glob("*.c"))]
-        done = _run([cc, *FLAGS, *defines, f"-I{CSRC}", "-o", str(out), *sources, *libs])
-        if done.returncode != 0:
-            first = next((line for line in done.stderr.splitlines() if "error" in line), done.stderr.strip()[:200])
-            raise NativeUnavailable(f"{Path(cc).name} could not compile kernels/csrc: {first}")
+        errors = []
+        for variant in VARIANTS:
+            flags = [*FLAGS, *variant]
+            libs = ["-lmvec", "-lm"] if _vector_math(cc, work, flags) else ["-lm"]
+            defines = ["-DK3_VECTOR_MATH=1"] if "-lmvec" in libs else []
+            done = _run([cc, *flags, *defines, f"-I{CSRC}", "-o", str(out), *sources, *libs])
+            if done.returncode == 0:
+                break
+            errors.append(next((line for line in done.stderr.splitlines() if "error" in line),
+                               done.stderr.strip()[:200]))
+        else:
+            raise NativeUnavailable(f"{Path(cc).name} could not compile kernels/csrc: {errors[0]}")
         fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", dir=dest.parent)
         os.close(fd)
         shutil.copyfile(out, tmp)
@@ -102,7 +114,7 @@ def library() -> ctypes.CDLL:
     if cc is None:
         raise NativeUnavailable("no C compiler found ($CC, cc, gcc or clang)")
     key = hashlib.sha256()
-    for part in (*FLAGS, _machine(cc), *(p.name + p.read_text() for p in sorted(CSRC.glob("*.c")))):
+    for part in (*FLAGS, *sum(VARIANTS, ()), _machine(cc), *(p.name + p.read_text() for p in sorted(CSRC.glob("*.c")))):
         key.update(part.encode())
     for h in sorted(CSRC.glob("*.h")):
         key.update(h.read_bytes())

@@ -64,11 +64,7 @@ void k3_attn_res_normed_bwd(const float *dh, const float *v, const float *r, con
     int nt = k3_threads(nthreads, S * N * D);
 #pragma omp parallel num_threads(nt)
     {
-#ifdef _OPENMP
-        float *du = du_partial + (int64_t)omp_get_thread_num() * D;
-#else
-        float *du = du_partial;
-#endif
+        float *du = k3_thread_row(du_partial, D);
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             float s[MAX_SOURCES], p[MAX_SOURCES], dp[MAX_SOURCES];

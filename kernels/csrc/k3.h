@@ -22,6 +22,16 @@ __attribute__((simd("notinbranch"))) float tanhf(float);
 
 static inline int k3_threads(int nthreads, int64_t work) { return work >= K3_PARALLEL_MIN && nthreads > 1 ? nthreads : 1; }
 
+/* This OpenMP thread's row of `width` values in a [threads, width] buffer of per-thread partial sums. */
+static inline float *k3_thread_row(float *partial, int64_t width) {
+#ifdef _OPENMP
+    return partial + (int64_t)omp_get_thread_num() * width;
+#else
+    (void)width;
+    return partial;
+#endif
+}
+
 static inline float k3_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 static inline uint32_t k3_bits(float x) { uint32_t b; memcpy(&b, &x, 4); return b; }

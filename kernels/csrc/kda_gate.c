@@ -28,12 +28,7 @@ void k3_kda_gate_bwd(const float *dg, const float *f, const float *A_log, const 
                      float lower_bound, int nthreads) {
 #pragma omp parallel num_threads(k3_threads(nthreads, N * H * K))
     {
-#ifdef _OPENMP
-        int64_t me = omp_get_thread_num();
-#else
-        int64_t me = 0;
-#endif
-        float *ddt = ddt_partial + me * H * K, *dA = dA_partial + me * H;
+        float *ddt = k3_thread_row(ddt_partial, H * K), *dA = k3_thread_row(dA_partial, H);
 #pragma omp for schedule(static)
         for (int64_t nh = 0; nh < N * H; nh++) {
             int64_t h = nh % H;

@@ -35,11 +35,7 @@ void k3_rms_norm_bwd(const float *gy, const float *x, const float *w, const floa
                      float *dgate, int64_t N, int64_t D, float eps, int nthreads) {
 #pragma omp parallel num_threads(k3_threads(nthreads, N * D))
     {
-#ifdef _OPENMP
-        float *dw = dw_partial + (int64_t)omp_get_thread_num() * D;
-#else
-        float *dw = dw_partial;
-#endif
+        float *dw = k3_thread_row(dw_partial, D);
 #pragma omp for schedule(static)
         for (int64_t n = 0; n < N; n++) {
             const float *xn = x + n * D, *gn = gy + n * D;

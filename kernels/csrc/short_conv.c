@@ -45,11 +45,7 @@ void k3_short_conv_bwd(const float *x, const float *hist, const float *taps, con
                        int64_t C, int64_t W, int nthreads) {
 #pragma omp parallel num_threads(k3_threads(nthreads, B * T * C * W))
     {
-#ifdef _OPENMP
-        float *dw = dw_partial + (int64_t)omp_get_thread_num() * W * C;
-#else
-        float *dw = dw_partial;
-#endif
+        float *dw = k3_thread_row(dw_partial, W * C);
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < B; b++) {
             for (int64_t t = 0; t < T; t++) {

@@ -14,6 +14,24 @@ def tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
 
 
+def _build_variants(spec, tmp_path_factory, variants: dict) -> dict:
+    """{name: (package dir, loaded package)}: `spec` built once per named BuildOptions, each in its own folder."""
+    import k3compile
+    from k3compile.build import build
+
+    out = {}
+    for name, options in variants.items():
+        path, _ = build(spec, tmp_path_factory.mktemp(name), options)
+        out[name] = (path, k3compile.load(path))
+    return out
+
+
+@pytest.fixture(scope="session")
+def build_variants():
+    """build_variants(spec, tmp_path_factory, {name: BuildOptions}) -> {name: (package dir, loaded package)}."""
+    return _build_variants
+
+
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     return K3_TINY

@@ -12,33 +12,29 @@ from __future__ import annotations
 import pytest
 import torch
 
-import k3compile
-from k3compile.build import BuildOptions, build
+from k3compile.build import BuildOptions
 from k3compile.kernels.binding import C_KERNELS
 from k3compile.kernels.compare import rel_rms
 
 SEQ = 21  # ragged against KDA's chunk and the MX blocks
 
 
-def build_both(spec, tmp_path_factory, mode: str = "both") -> dict:
-    """{cpu_kernels: (path, loaded package)}: the C kernels' build and the references' build of `spec`."""
-    out = {}
-    for kernels in ("c", "torch"):
-        path, _ = build(spec, tmp_path_factory.mktemp(kernels), BuildOptions(mode=mode, cpu_kernels=kernels))
-        out[kernels] = (path, k3compile.load(path))
-    return out
+def both(mode: str = "both") -> dict:
+    """The C kernels' build and the references' build, by cpu_kernels."""
+    return {kernels: BuildOptions(mode=mode, cpu_kernels=kernels) for kernels in ("c", "torch")}
 
 
 @pytest.fixture(scope="module")
-def packages(tmp_path_factory, tiny_spec):
-    return build_both(tiny_spec, tmp_path_factory)
+def packages(tmp_path_factory, tiny_spec, build_variants):
+    return build_variants(tiny_spec, tmp_path_factory, both())
 
 
 @pytest.fixture(scope="module")
-def packages_no_qat(tmp_path_factory, tiny_path):
+def packages_no_qat(tmp_path_factory, tiny_path, build_variants):
     from k3compile.spec.load import load_spec
 
-    return build_both(load_spec(tiny_path, overrides=["quantization.qat=false"]), tmp_path_factory, "train")
+    spec = load_spec(tiny_path, overrides=["quantization.qat=false"])
+    return build_variants(spec, tmp_path_factory, both("train"))
 
 
 def training_step(packages) -> dict:

@@ -20,41 +20,34 @@ import json
 import pytest
 import torch
 
-import k3compile
-from k3compile.build import BuildOptions, build
+from k3compile.build import BuildOptions
 from k3compile.kernels.binding import TRITON_KERNELS
 from k3compile.kernels.compare import rel_rms
 
 SEQ = 21  # ragged against KDA's chunk of 64 and every block size
 
 
-def build_both(spec, tmp_path_factory, mode: str = "both") -> dict:
-    """{target: (path, loaded package)} for the CPU build over the PyTorch references (no C kernels) and the
-    H200 build of `spec`."""
-    out = {}
-    for target in ("cpu", "h200"):
-        options = BuildOptions(target=target, mode=mode, cpu_kernels="torch")
-        path, _ = build(spec, tmp_path_factory.mktemp(target), options)
-        out[target] = (path, k3compile.load(path))
-    return out
+def both(mode: str = "both") -> dict:
+    """The CPU build over the PyTorch references (no C kernels) and the H200 build, by target."""
+    return {target: BuildOptions(target=target, mode=mode, cpu_kernels="torch") for target in ("cpu", "h200")}
 
 
 FOUR_LAYERS = ["num_layers=4"]  # KKKM: every layer kind, half the interpreter's time
 
 
 @pytest.fixture(scope="module")
-def packages(tmp_path_factory, tiny_path):
+def packages(tmp_path_factory, tiny_path, build_variants):
     from k3compile.spec.load import load_spec
 
-    return build_both(load_spec(tiny_path, overrides=FOUR_LAYERS), tmp_path_factory)
+    return build_variants(load_spec(tiny_path, overrides=FOUR_LAYERS), tmp_path_factory, both())
 
 
 @pytest.fixture(scope="module")
-def packages_no_qat(tmp_path_factory, tiny_path):
+def packages_no_qat(tmp_path_factory, tiny_path, build_variants):
     from k3compile.spec.load import load_spec
 
     spec = load_spec(tiny_path, overrides=[*FOUR_LAYERS, "quantization.qat=false"])
-    return build_both(spec, tmp_path_factory, "train")
+    return build_variants(spec, tmp_path_factory, both("train"))
 
 
 def training_step(packages) -> dict:

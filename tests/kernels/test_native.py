@@ -81,3 +81,12 @@ def test_backend_c_resolves_and_runs_the_kernel_forward_and_backward():
 def test_every_c_kernel_names_a_function():
     for op in binding.C_KERNELS:
         assert callable(binding.c_function(op)), op
+
+
+def test_a_compiler_without_openmp_builds_the_single_threaded_form(fresh, monkeypatch):
+    """The first variant a compiler refuses (here a flag it does not know, as Apple's clang refuses -fopenmp) gives
+    way to the next: OpenMP's simd loops without its threads."""
+    monkeypatch.setattr(native, "VARIANTS", (("-fno-such-flag",), ("-march=native", "-fopenmp-simd")))
+    assert native.available()[0]
+    x, w = torch.randn(40, 64), torch.randn(64)
+    assert torch.allclose(norms_c.rms_norm(x, w, 1e-5), torch.ops.k3.rms_norm.default(x, w, 1e-5), atol=1e-6)
