@@ -28,11 +28,11 @@ def _is(node: fx.Node, target) -> bool:
 
 def expert_region(buffer: fx.Node, expert_out: fx.Node) -> list[fx.Node]:
     """Nodes between the dispatched buffer and the expert outputs, in graph order."""
-    down: set[fx.Node] = set()
+    down: set[fx.Node] = set()  # what the buffer reaches, up to the expert outputs (not the rest of the graph)
     stack = [buffer]
     while stack:
         for u in stack.pop().users:
-            if u not in down:
+            if u not in down and u <= expert_out:
                 down.add(u)
                 stack.append(u)
     region: set[fx.Node] = set()

@@ -184,8 +184,10 @@ def fingerprint(r: Region) -> str:
 
 def _value(n: fx.Node) -> str:
     """A node's recorded value as text: tensors by dtype and shape, anything else by repr."""
-    val = pytree.tree_map_only(torch.Tensor, lambda t: (t.dtype, tuple(t.shape)), n.meta.get("val"))
-    return repr(val)
+    val = n.meta.get("val")
+    if isinstance(val, torch.Tensor):  # most nodes: no tree walk
+        return repr((val.dtype, tuple(val.shape)))
+    return repr(pytree.tree_map_only(torch.Tensor, lambda t: (t.dtype, tuple(t.shape)), val))
 
 
 def _input_name(node: fx.Node, i: int) -> str:

@@ -11,6 +11,8 @@ import torch
 from torch.utils import _pytree as pytree
 from torch import fx
 
+from k3compile.ops.registry import BACKEND_FREE, FAKES
+
 
 class MetaShapeProp(fx.Interpreter):
     """Runs the graph on meta tensors (k3 ops through their fake impls), recording each node's value.
@@ -21,18 +23,29 @@ class MetaShapeProp(fx.Interpreter):
     """
 
     def __init__(self, gm: fx.GraphModule):
-        super().__init__(gm)
+        super().__init__(gm, garbage_collect_values=False)  # meta values cost nothing to keep
         self.modules_by_name = dict(gm.named_modules(remove_duplicate=False))
 
     def raw_attr(self, target: str):
         """The object a get_attr reads, its owner found in one table (not attribute by attribute)."""
         owner, _, leaf = target.rpartition(".")
         module = self.modules_by_name.get(owner)
-        return getattr(module, leaf) if module is not None else fx.Interpreter.fetch_attr(self, target)
+        if module is not None:
+            try:
+                return getattr(module, leaf)
+            except AttributeError:
+                pass
+        raise GraphVerificationError(f"a get_attr reads missing attribute {target}")
 
     def fetch_attr(self, target: str):
         value = self.raw_attr(target)
         return value.to("meta") if isinstance(value, torch.Tensor) else value
+
+    def call_function(self, target, args, kwargs):
+        fake = FAKES.get(target) if isinstance(target, torch._ops.OpOverload) else None
+        if fake is not None and kwargs.keys() <= {"backend"}:  # a k3 op: its fake impl, not the dispatcher's path
+            return fake(*args, **kwargs)
+        return super().call_function(target, args, kwargs)
 
     def run_node(self, n: fx.Node):
         result = super().run_node(n)
@@ -66,7 +79,10 @@ def _key(interp: MetaShapeProp, n: fx.Node) -> tuple:
     or a call's target and arguments (nodes compare by identity)."""
     if n.op == "get_attr":
         return ("get_attr", interp.raw_attr(n.target))
-    return (n.op, n.target, n.args, n.kwargs)
+    kwargs = n.kwargs
+    if "backend" in kwargs and isinstance(n.target, torch._ops.OpOverload) and n.target in BACKEND_FREE:
+        kwargs = {k: v for k, v in kwargs.items() if k != "backend"}  # bind_kernels' choice changes no shape
+    return (n.op, n.target, n.args, kwargs)
 
 
 def _same_key(old, new) -> bool:
@@ -82,6 +98,8 @@ def _same_key(old, new) -> bool:
 
 def _signature(value):
     """The metadata of a (nested) meta value that downstream shapes depend on."""
+    if isinstance(value, torch.Tensor):
+        return tuple(value.shape), value.stride(), value.dtype
     return pytree.tree_map(
         lambda v: (tuple(v.shape), v.stride(), v.dtype) if isinstance(v, torch.Tensor) else v, value
     )
@@ -133,18 +151,6 @@ def _dangling(gm: fx.GraphModule) -> list[str]:
     ]
 
 
-def _missing_attrs(gm: fx.GraphModule) -> list[fx.Node]:
-    """get_attr nodes whose target does not exist (owners looked up in one table, not attribute by attribute)."""
-    modules = dict(gm.named_modules(remove_duplicate=False))
-    missing = []
-    for n in gm.graph.find_nodes(op="get_attr"):
-        owner_name, _, leaf = n.target.rpartition(".")
-        owner = modules.get(owner_name)
-        if owner is None or not hasattr(owner, leaf):
-            missing.append(n)
-    return missing
-
-
 def verify_graph(gm: fx.GraphModule, example_inputs: tuple, reuse: bool = False, lint: bool | None = None) -> None:
     """Lint the graph, reject dangling nodes, and propagate meta tensors to check every shape and dtype.
 
@@ -163,14 +169,13 @@ def verify_graph(gm: fx.GraphModule, example_inputs: tuple, reuse: bool = False,
     dangling = _dangling(gm)
     if dangling:
         raise GraphVerificationError(f"dangling nodes (computed, never used): {', '.join(dangling[:5])}")
-    missing = _missing_attrs(gm)
-    if missing:
-        raise GraphVerificationError(f"node {missing[0].name} reads missing attribute {missing[0].target}")
     meta_inputs = pytree.tree_map_only(torch.Tensor, lambda x: x.to("meta"), list(example_inputs))
     try:
         with torch.inference_mode():  # no autograd layer: custom ops go straight to their fake impls
-            prop = MetaShapeProp(gm)
+            prop = MetaShapeProp(gm)  # every get_attr is looked up, so a missing attribute is found here
             prop.run_incremental(*meta_inputs) if reuse else prop.run(*meta_inputs)
+    except GraphVerificationError:
+        raise
     except Exception as e:
         raise GraphVerificationError(f"shape propagation failed: {type(e).__name__}: {e}".splitlines()[0]) from e
 

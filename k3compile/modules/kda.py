@@ -109,6 +109,8 @@ class KDAMixer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
+        if self.A_log.is_meta:  # shapes only (and meta normal_ runs a slow Python reference)
+            return
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=self.init_std)

@@ -198,7 +198,8 @@ class K3Model(nn.Module):
         super().__init__()
         self.spec = spec
         d = spec.hidden_size
-        self.embed = nn.Embedding(spec.vocab_size, d)
+        # without init no default fill (on meta, normal_ runs a slow Python reference)
+        self.embed = nn.Embedding(spec.vocab_size, d, _weight=None if init else torch.empty(spec.vocab_size, d))
         self.layers = nn.ModuleList(Block(spec, i) for i in range(spec.num_layers))
         self.final_res = make_site(spec, 2 * spec.num_layers)
         self.final_norm = RMSNorm(d, spec.norm_eps)

@@ -10,12 +10,12 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import activations as ref
-from k3compile.ops.registry import k3_op
+from k3compile.ops.registry import empty_like, k3_op
 
 
 @k3_op(
     "situ_glu",
-    fake=lambda gate, up, beta1, beta2: torch.empty_like(gate),
+    fake=lambda gate, up, beta1, beta2: empty_like(gate),
     differentiable=("gate", "up"),
     backward=ref.situ_glu_bwd_ref,
 )
@@ -24,13 +24,13 @@ def situ_glu_op(gate: Tensor, up: Tensor, beta1: float, beta2: float) -> Tensor:
 
 
 @k3_op(
-    "swiglu", fake=lambda gate, up: torch.empty_like(gate), differentiable=("gate", "up"), backward=ref.swiglu_bwd_ref
+    "swiglu", fake=lambda gate, up: empty_like(gate), differentiable=("gate", "up"), backward=ref.swiglu_bwd_ref
 )
 def swiglu_op(gate: Tensor, up: Tensor) -> Tensor:
     return ref.swiglu_ref(gate, up)
 
 
-@k3_op("gelu", fake=lambda x, approximate: torch.empty_like(x), differentiable=("x",))
+@k3_op("gelu", fake=lambda x, approximate: empty_like(x), differentiable=("x",))
 def gelu_op(x: Tensor, approximate: str) -> Tensor:
     return ref.gelu_ref(x, approximate)
 

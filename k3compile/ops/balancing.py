@@ -6,7 +6,7 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import balancing as ref
-from k3compile.ops.registry import k3_op
+from k3compile.ops.registry import empty_like, k3_op
 
 
 def _bias_like(bias: Tensor) -> Tensor:
@@ -62,7 +62,7 @@ def _aux_backward(ctx, grad):
 moe_aux_loss_op.register_autograd(_aux_backward, setup_context=_aux_setup)
 
 
-@k3_op("attach_aux_loss", fake=lambda x, loss, coef: torch.empty_like(x))
+@k3_op("attach_aux_loss", fake=lambda x, loss, coef: empty_like(x))
 def attach_aux_loss_op(x: Tensor, loss: Tensor, coef: float) -> Tensor:
     return x.clone()
 

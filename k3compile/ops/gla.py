@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import gla as ref
-from k3compile.ops.registry import k3_op
+from k3compile.ops.registry import empty_like, k3_op
 
 
 def _state_dtype(q: Tensor) -> torch.dtype:
@@ -32,7 +32,7 @@ def gla_chunk_op(
 
 
 def _decode_fake(q, k, v, g, state, scale):
-    return v.new_empty(v.shape), torch.empty_like(state, dtype=_state_dtype(q))
+    return v.new_empty(v.shape), empty_like(state, dtype=_state_dtype(q))
 
 
 @k3_op("gla_decode_step", fake=_decode_fake, differentiable=("q", "k", "v", "g", "state"))

@@ -11,12 +11,12 @@ from torch import Tensor
 
 from k3compile.kernels import glu_train as ref
 from k3compile.kernels.norms import upcast_dtype
-from k3compile.ops.registry import k3_op
+from k3compile.ops.registry import empty_like, k3_op
 
 
 def _fake(gate, up, kind, beta1, beta2):
     acc = upcast_dtype(gate.dtype)
-    return torch.empty_like(gate), gate.new_empty(gate.shape, dtype=acc), gate.new_empty(gate.shape, dtype=acc)
+    return empty_like(gate), gate.new_empty(gate.shape, dtype=acc), gate.new_empty(gate.shape, dtype=acc)
 
 
 @k3_op("glu_train", fake=_fake, differentiable=("gate", "up"), backward=ref.glu_train_bwd_ref, saves_outputs=True)

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import kda as ref
-from k3compile.ops.registry import k3_op, resolve
+from k3compile.ops.registry import empty_like, k3_op, resolve
 
 MODES = ("chunk", "recurrent")
 _DIFF = ("q", "k", "v", "g", "beta", "initial_state")
@@ -70,10 +70,10 @@ def kda_chunk_op(
 
 
 def _chunk_bwd_fake(do, dstate, saved, q, k, v, g, beta, scale, initial_state):
-    grads = [torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v, g, beta)]
+    grads = [x.new_empty(x.shape) for x in (q, k, v, g, beta)]
     if initial_state is None:
         return grads + [q.new_empty(0)]
-    return grads + [torch.empty_like(initial_state, memory_format=torch.contiguous_format)]
+    return grads + [initial_state.new_empty(initial_state.shape)]
 
 
 @k3_op("kda_chunk_bwd", fake=_chunk_bwd_fake)
@@ -131,7 +131,7 @@ def kda_recurrent_op(
 
 
 def _decode_fake(q, k, v, g, beta, state, scale):
-    return v.new_empty(v.shape), torch.empty_like(state, dtype=_state_dtype(q))
+    return v.new_empty(v.shape), empty_like(state, dtype=_state_dtype(q))
 
 
 @k3_op("kda_decode_step", fake=_decode_fake, differentiable=("q", "k", "v", "g", "beta", "state"))
@@ -144,7 +144,7 @@ def kda_decode_step_op(
 
 @k3_op(
     "kda_gate",
-    fake=lambda f, A_log, dt_bias, form, lower_bound: torch.empty_like(f, dtype=ref.gate_dtype(f)),
+    fake=lambda f, A_log, dt_bias, form, lower_bound: empty_like(f, dtype=ref.gate_dtype(f)),
     differentiable=("f", "A_log", "dt_bias"),
 )
 def kda_gate_op(f: Tensor, A_log: Tensor, dt_bias: Tensor, form: str, lower_bound: float) -> Tensor:

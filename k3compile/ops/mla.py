@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import mla as ref
-from k3compile.ops.registry import k3_op
+from k3compile.ops.registry import empty_like, k3_op
 
 
 def _attention_fake(q_BTHK, k_nope_BSHN, k_pe_BSR, v_BSHV, scale):
@@ -34,12 +34,12 @@ def mla_decode_absorbed_op(
     return ref.mla_decode_absorbed_ref(q_BTHK, latent_BSC, w_kvb, scale, lengths_B)
 
 
-@k3_op("mla_rope", fake=lambda x, start_pos, theta: torch.empty_like(x), differentiable=("x",))
+@k3_op("mla_rope", fake=lambda x, start_pos, theta: empty_like(x), differentiable=("x",))
 def mla_rope_op(x: Tensor, start_pos: int, theta: float) -> Tensor:
     return ref.rope_ref(x, start_pos, theta)
 
 
-@k3_op("mla_rope_at", fake=lambda x, positions_B, theta: torch.empty_like(x))
+@k3_op("mla_rope_at", fake=lambda x, positions_B, theta: empty_like(x))
 def mla_rope_at_op(x: Tensor, positions_B: Tensor, theta: float) -> Tensor:
     return ref.rope_at_ref(x, positions_B, theta)
 

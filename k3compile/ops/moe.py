@@ -53,7 +53,7 @@ def moe_dispatch_op(
 def _dispatch_rows_fake(x, indices, num_experts, capacity_factor):
     n = indices.numel()
     load = x.new_empty(num_experts, dtype=torch.int64)
-    return (x.new_empty(n, x.shape[-1]), indices.new_empty(indices.shape, dtype=torch.int64), torch.empty_like(load),
+    return (x.new_empty(n, x.shape[-1]), indices.new_empty(indices.shape, dtype=torch.int64), load.new_empty(load.shape),
             load, x.new_empty((), dtype=torch.int64))  # fmt: skip
 
 

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from k3compile.kernels import mx as ref
 from k3compile.kernels import binding
-from k3compile.ops.registry import k3_op, resolve
+from k3compile.ops.registry import empty_like, k3_op, resolve
 
 
 def _quantize_fake(x, fmt, block):
@@ -45,7 +45,7 @@ def mx_dequantize_op(data: Tensor, scale: Tensor, fmt: str, block: int, dtype: t
 
 def _fake_quantize_fake(x, fmt, block):
     ref.check_mx_shape(x.shape[-1], fmt, block)
-    return torch.empty_like(x)
+    return empty_like(x)
 
 
 @k3_op("mx_fake_quantize", fake=_fake_quantize_fake)

@@ -10,12 +10,12 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import norms as ref
-from k3compile.ops.registry import k3_op
+from k3compile.ops.registry import empty_like, k3_op
 
 
 @k3_op(
     "rms_norm",
-    fake=lambda x, weight, eps: torch.empty_like(x),
+    fake=lambda x, weight, eps: empty_like(x),
     differentiable=("x", "weight"),
     backward=ref.rms_norm_bwd_ref,
 )
@@ -23,14 +23,14 @@ def rms_norm_op(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return ref.rms_norm_ref(x, weight, eps)
 
 
-@k3_op("l2_norm", fake=lambda x, eps: torch.empty_like(x), differentiable=("x",), backward=ref.l2_norm_bwd_ref)
+@k3_op("l2_norm", fake=lambda x, eps: empty_like(x), differentiable=("x",), backward=ref.l2_norm_bwd_ref)
 def l2_norm_op(x: Tensor, eps: float) -> Tensor:
     return ref.l2_norm_ref(x, eps)
 
 
 @k3_op(
     "rms_norm_gate",
-    fake=lambda x, weight, gate, eps: torch.empty_like(x),
+    fake=lambda x, weight, gate, eps: empty_like(x),
     differentiable=("x", "weight", "gate"),
     backward=ref.rms_norm_gate_bwd_ref,
 )
@@ -39,7 +39,7 @@ def rms_norm_gate_op(x: Tensor, weight: Tensor, gate: Tensor, eps: float) -> Ten
 
 
 def _add_rms_norm_fake(x, residual, weight, eps):
-    return torch.empty_like(x), torch.empty_like(x)
+    return empty_like(x), empty_like(x)
 
 
 @k3_op("add_rms_norm", fake=_add_rms_norm_fake)

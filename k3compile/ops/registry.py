@@ -25,6 +25,16 @@ from k3compile.kernels.launch import interpreting
 NAMESPACE = "k3"
 BACKENDS = ("auto", "torch", "triton", "c")
 REGISTERED: dict = {}  # name -> the custom op k3_op made (with its reference, for k3compile.ops.direct)
+FAKES: dict = {}  # OpOverload -> its fake impl, which the build's shape checks call without the dispatcher
+BACKEND_FREE: set = set()  # OpOverloads whose output shapes and dtypes do not depend on the backend
+
+
+def empty_like(x: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """torch.empty_like(x, dtype=dtype) for fake impls: by new_empty where x is contiguous (the same
+    result), since on meta tensors empty_like runs a Python reference at about ten times the cost."""
+    if x.is_contiguous():
+        return x.new_empty(x.shape, dtype=dtype)
+    return torch.empty_like(x, dtype=dtype)
 
 
 def _device_of(args) -> torch.device:
@@ -167,6 +177,10 @@ def k3_op(
         schema = _with_backend(torch.library.infer_schema(ref, mutates_args=()))
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", impl, mutates_args=(), schema=schema)
         op.register_fake(fake_impl)
+        overload = getattr(getattr(torch.ops, NAMESPACE), name).default
+        FAKES[overload] = fake_impl
+        if not fake_takes_backend:
+            BACKEND_FREE.add(overload)
         if differentiable:
             _register_backward(name, ref, op, list(differentiable), backward, saves_outputs)
         op.reference = ref
@@ -239,10 +253,13 @@ def _register_backward(
 
     def bwd_fake(grads: list[Tensor], *args, **kwargs) -> list[Tensor]:
         args, _ = _split_backend(len(params), args[int(saves_outputs):], kwargs)
-        return [torch.empty_like(args[i]) if args[i] is not None else args[0].new_empty(0) for i in diff_idx]
+        return [empty_like(args[i]) if args[i] is not None else args[0].new_empty(0) for i in diff_idx]
 
     bwd = torch.library.custom_op(f"{NAMESPACE}::{name}_bwd", bwd_impl, mutates_args=(), schema=bwd_schema)
     bwd.register_fake(bwd_fake)
+    overload = getattr(getattr(torch.ops, NAMESPACE), f"{name}_bwd").default
+    FAKES[overload] = bwd_fake
+    BACKEND_FREE.add(overload)
 
     def setup_context(ctx, inputs, output):
         tensor_pos = [i for i, a in enumerate(inputs) if isinstance(a, Tensor)]

@@ -9,12 +9,12 @@ import torch
 from torch import Tensor
 
 from k3compile.kernels import short_conv as ref
-from k3compile.ops.registry import k3_op
+from k3compile.ops.registry import empty_like, k3_op
 
 
 def _short_conv_fake(x, weight, initial_state):
     B, _, C = x.shape
-    return torch.empty_like(x), x.new_empty(B, C, weight.shape[-1] - 1)
+    return empty_like(x), x.new_empty(B, C, weight.shape[-1] - 1)
 
 
 @k3_op(

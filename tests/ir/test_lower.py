@@ -120,6 +120,25 @@ def test_skeleton_has_one_mixer_call_per_layer_and_one_depth_site_per_site(name,
     assert type(gm).__name__ == "K3_" + spec.name.replace("-", "_")
 
 
+@pytest.mark.parametrize("graph", GRAPHS)
+def test_moe_layers_are_inlined_from_one_trace_for_all_alike(tiny, graph, monkeypatch):
+    from k3compile.ir import inline
+    from k3compile.ir.lower import FlatTracer
+    from k3compile.modules.moe import LatentMoE
+
+    monkeypatch.setattr(inline, "_TRACES", {})  # traces are cached per process: start empty
+    traced = []
+    real = FlatTracer.trace
+    monkeypatch.setattr(FlatTracer, "trace", lambda self, root, *a: traced.append(root) or real(self, root, *a))
+    gm = lower(tiny, graph=graph).gm
+    moe_layers = [i for i in range(tiny.num_layers) if tiny.is_moe_layer(i)]
+    assert len(moe_layers) > 1
+    assert not any(isinstance(gm.get_submodule(n.target), LatentMoE) for n in gm.graph.find_nodes(op="call_module"))
+    assert sum(isinstance(getattr(r, "m", None), LatentMoE) for r in traced) == 1  # every MoE layer alike
+    for i in moe_layers:  # ... and each reads its own weights
+        assert gm.graph.find_nodes(op="get_attr", target=f"layers.{i}.moe.router.weight")
+
+
 def _cloned(inputs):
     """Fresh copies of a graph's inputs: the decode step writes its MLA caches in place."""
     return pytree.tree_map_only(torch.Tensor, torch.clone, inputs)

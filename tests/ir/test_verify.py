@@ -186,3 +186,36 @@ def test_incremental_check_still_rejects_a_shape_error():
     gm.w2 = nn.Parameter(torch.randn(3, 7))  # no longer matches relu's 6 features
     with pytest.raises(GraphVerificationError, match="shape propagation failed"):
         verify_graph(gm, inputs, reuse=True)
+
+
+class Normed(nn.Module):
+    """A k3 op between two plain ones: verification calls its fake impl directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.ones(4))
+
+    def forward(self, x):
+        return torch.ops.k3.rms_norm.default(x.relu(), self.w, 1e-6) + 1
+
+
+def test_k3_ops_propagate_through_their_fake_impls_and_a_backend_change_recomputes_nothing(monkeypatch):
+    import k3compile.ops  # noqa: F401  (registers the k3 ops)
+    from k3compile.ir.verify import MetaShapeProp
+
+    gm = fx.symbolic_trace(Normed())
+    (norm,) = [n for n in gm.graph.nodes if n.target is torch.ops.k3.rms_norm.default]
+    inputs = (torch.randn(2, 3, 4, dtype=torch.float64),)
+    verify_graph(gm, inputs)
+    assert (tuple(norm.meta["val"].shape), norm.meta["val"].dtype) == ((2, 3, 4), torch.float64)
+    before = _vals(gm)
+
+    calls = []
+    real = MetaShapeProp.call_function
+    monkeypatch.setattr(MetaShapeProp, "call_function", lambda self, *a: calls.append(a[0]) or real(self, *a))
+    norm.kwargs = {"backend": "c"}  # what bind_kernels does: no shape depends on it
+    verify_graph(gm, inputs, reuse=True)
+    assert calls == [] and all(_vals(gm)[k] is v for k, v in before.items() if k not in ("x", "output"))
+    norm.args = (norm.args[0], norm.args[1], 1e-5)  # a changed argument is recomputed
+    verify_graph(gm, inputs, reuse=True)
+    assert calls == [torch.ops.k3.rms_norm.default]

@@ -107,3 +107,24 @@ def test_a_backward_reading_saved_outputs():
     assert torch.autograd.gradcheck(lambda a: saving_sin(a)[0], (x,))
     with pytest.raises(ValueError, match="saves_outputs needs"):
         k3_op("test_saving_without_bwd", fake=lambda x: torch.empty_like(x), differentiable=("x",), saves_outputs=True)
+
+
+@pytest.mark.parametrize("dtype", [None, torch.float64])
+@pytest.mark.parametrize("make", [lambda: torch.empty(3, 4, 5), lambda: torch.empty(5, 4, 3).transpose(0, 2),
+                                  lambda: torch.empty(3, 8, 5)[:, ::2]], ids=["contiguous", "transposed", "strided"])
+def test_fake_empty_like_gives_torch_empty_like_metadata(make, dtype):
+    from k3compile.ops.registry import empty_like
+
+    x = make().to("meta")
+    got, want = empty_like(x, dtype=dtype), torch.empty_like(x, dtype=dtype)
+    assert (got.shape, got.stride(), got.dtype, got.device) == (want.shape, want.stride(), want.dtype, want.device)
+
+
+def test_the_fake_table_holds_each_op_and_its_backward_and_their_backend_dependence():
+    from k3compile.ops.registry import BACKEND_FREE, FAKES
+
+    assert {torch.ops.k3.test_scale_norm.default, torch.ops.k3.test_scale_norm_bwd.default} <= FAKES.keys()
+    x = torch.empty(2, 3, device="meta")
+    y = FAKES[torch.ops.k3.test_scale_norm.default](x, x[0], 1e-6, backend="triton")
+    assert y.shape == x.shape and y.device.type == "meta"
+    assert torch.ops.k3.test_scale_norm.default in BACKEND_FREE
