@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from k3compile.ir.inline import inline_call
+from k3compile.ir.inline import inline_calls
 from k3compile.ir.pass_manager import GraphPass, PassContext
 from k3compile.modules.kda import KDAMixer
 from k3compile.modules.mla import MLAMixer
@@ -18,14 +18,13 @@ from k3compile.modules.mla import MLAMixer
 def run(gm: fx.GraphModule, ctx: PassContext) -> dict[str, int]:
     counts = {"kda_layers": 0, "mla_layers": 0, "nodes_added": 0}
     before = len(gm.graph.nodes)
-    for node in list(gm.graph.nodes):
-        if node.op != "call_module":
-            continue
+    calls = []
+    for node in gm.graph.find_nodes(op="call_module"):
         mixer = gm.get_submodule(node.target)
-        if not isinstance(mixer, (KDAMixer, MLAMixer)):
-            continue
-        inline_call(gm, node, mixer, node.target, node.args, node.kwargs)
-        counts["kda_layers" if isinstance(mixer, KDAMixer) else "mla_layers"] += 1
+        if isinstance(mixer, (KDAMixer, MLAMixer)):
+            calls.append((node, mixer, node.target, node.args, node.kwargs))
+            counts["kda_layers" if isinstance(mixer, KDAMixer) else "mla_layers"] += 1
+    inline_calls(gm, calls)
     counts["nodes_added"] = len(gm.graph.nodes) - before
     return counts
 

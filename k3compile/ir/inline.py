@@ -71,17 +71,18 @@ def _structured(value):
     return value
 
 
-def _replace_uses(node: fx.Node, value, graph: fx.Graph) -> None:
-    """Point every use of `node` at `value`, following getitem chains into a structured value."""
+def _replacements(node: fx.Node, value, out: dict[fx.Node, fx.Node], dropped: list[fx.Node]) -> None:
+    """Record what replaces `node` and each getitem chain on it (`value` has the call's structure); the
+    getitems go to `dropped`, to be erased once nothing reads them."""
     if isinstance(value, fx.Node):
-        node.replace_all_uses_with(value)
+        out[node] = value
         return
     for user in list(node.users):
         if user.op == "call_function" and user.target is operator.getitem and user.args[0] is node:
-            _replace_uses(user, value[user.args[1]], graph)
-            graph.erase_node(user)
-    if node.users:
-        raise ValueError(f"{node.name}: a structured output is used other than by indexing")
+            _replacements(user, value[user.args[1]], out, dropped)
+            dropped.append(user)
+        else:
+            raise ValueError(f"{node.name}: a structured output is used other than by indexing")
 
 
 def _fingerprint(m: nn.Module) -> tuple:
@@ -129,20 +130,40 @@ def inline_call(
     `args`/`kwargs` may hold graph nodes anywhere in their structure (lists, NamedTuples, dicts); the
     node's uses (getitem chains on a tuple output) are pointed at the matching inlined values.
     """
-    leaves, spec = pytree.tree_flatten(_structured((tuple(args), dict(kwargs))))
-    constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, fx.Node)}
-    inputs = [v for v in leaves if isinstance(v, fx.Node)]
-    sub, out_spec = _traced(module, method, spec, constants, len(inputs))
-    attach(gm, path, holder(module))
-    placeholders = [n for n in sub.nodes if n.op == "placeholder"]
-    val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs))
-    with gm.graph.inserting_before(node):
-        flat = gm.graph.graph_copy(sub, val_map)
-    for old, new in val_map.items():
-        if old.op == "get_attr":
-            new.target = f"{path}.{old.target.removeprefix('m.')}"
-            new._rename(new.target.replace(".", "_"))  # readable generated code: layers_3_attn_q_proj_weight
-        if old.op != "placeholder":
-            new.meta["origin"] = path
-    _replace_uses(node, pytree.tree_unflatten(list(flat), out_spec), gm.graph)
-    gm.graph.erase_node(node)
+    inline_calls(gm, [(node, module, path, args, kwargs)], method)
+
+
+def inline_calls(gm: fx.GraphModule, calls: list[tuple[fx.Node, nn.Module, str, tuple, dict]], method: str = "forward"):
+    """`inline_call` for each (node, module, path, args, kwargs), each reader's arguments rewritten once at the
+    end: a depth site reads every earlier layer's output, so rewriting it once per inlined layer was quadratic."""
+    replace: dict[fx.Node, fx.Node] = {}
+    dropped: list[fx.Node] = []
+    for node, module, path, args, kwargs in calls:
+        leaves, spec = pytree.tree_flatten(_structured((tuple(args), dict(kwargs))))
+        constants = {i: v for i, v in enumerate(leaves) if not isinstance(v, fx.Node)}
+        inputs = [v for v in leaves if isinstance(v, fx.Node)]
+        sub, out_spec = _traced(module, method, spec, constants, len(inputs))
+        attach(gm, path, holder(module))
+        placeholders = [n for n in sub.nodes if n.op == "placeholder"]
+        val_map: dict[fx.Node, fx.Node] = dict(zip(placeholders, inputs))
+        with gm.graph.inserting_before(node):
+            flat = gm.graph.graph_copy(sub, val_map)
+        for old, new in val_map.items():
+            if old.op == "get_attr":
+                new.target = f"{path}.{old.target.removeprefix('m.')}"
+                new._rename(new.target.replace(".", "_"))  # readable generated code: layers_3_attn_q_proj_weight
+            if old.op != "placeholder":
+                new.meta["origin"] = path
+        _replacements(node, pytree.tree_unflatten(list(flat), out_spec), replace, dropped)
+        dropped.append(node)
+
+    def final(n: fx.Node) -> fx.Node:  # an inlined value may itself be a replaced node (a call returning its input)
+        while n in replace:
+            n = replace[n]
+        return n
+
+    readers = dict.fromkeys(u for old in replace for u in old.users if u not in replace)
+    for r in readers:
+        r.args, r.kwargs = fx.map_arg((r.args, r.kwargs), lambda a: final(a) if a in replace else a)
+    for old in dropped:  # inner getitems, then the ones they index, then the call
+        gm.graph.erase_node(old)

@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from k3compile.ir.inline import inline_call
+from k3compile.ir.inline import inline_calls
 from k3compile.ir.verify import eliminate_dead_code
 from k3compile.modules.kda import KDAMixer, KDAState
 from k3compile.modules.mla import MLAMixer
@@ -119,10 +119,9 @@ def lower(spec: Spec, device: torch.device | str = "meta", graph: str = "train",
     # lazy: the Python code is generated when first run or read, not after each rewrite (passes and the
     # emitter work on the graph; regenerating a Kimi K3 graph's code costs about a second)
     gm = _LazyGraphModule(root, traced, class_name=_class_name(spec))
-    for node in gm.graph.find_nodes(op="call_module"):
-        module = root.get_submodule(node.target)
-        if isinstance(module, LatentMoE):
-            inline_call(gm, node, module, node.target, node.args, node.kwargs)
+    moe = [(n, m, n.target, n.args, n.kwargs) for n in gm.graph.find_nodes(op="call_module")
+           if isinstance(m := root.get_submodule(n.target), LatentMoE)]  # fmt: skip
+    inline_calls(gm, moe)
     eliminate_dead_code(gm)  # tuple outputs a configuration leaves unread (router scores without QB)
     gm.recompile()
     _keep_buffer_persistence(root, gm)
