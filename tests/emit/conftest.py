@@ -32,6 +32,32 @@ def build_variants():
     return _build_variants
 
 
+def _step_differences(packages: dict, reference: str, other: str, batch: int, seq: int) -> tuple[float, dict]:
+    """(relative loss difference, {parameter: relative RMS difference of its gradient}) of `other`'s build
+    against `reference`'s after one forward+backward on the same tokens (and the same seeded weights)."""
+    import torch
+
+    from k3compile.kernels.compare import rel_rms
+
+    tokens = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
+    results = {}
+    for name in (reference, other):
+        model = packages[name][1].Model()  # seeded per-name init: every build starts from the same weights
+        loss = model(tokens, tokens)
+        loss.backward()
+        results[name] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    (loss_ref, grads_ref), (loss, grads) = results[reference], results[other]
+    assert grads.keys() == grads_ref.keys() and len(grads) > 50
+    errors = {n: rel_rms(grads[n], grads_ref[n]) for n in grads_ref}
+    return abs(loss.item() - loss_ref.item()) / abs(loss_ref.item()), errors
+
+
+@pytest.fixture(scope="session")
+def step_differences():
+    """step_differences(packages, reference, other, batch, seq) -> (loss difference, {parameter: gradient's})."""
+    return _step_differences
+
+
 @pytest.fixture(scope="session")
 def tiny_path() -> Path:
     return K3_TINY

@@ -37,19 +37,6 @@ def packages_no_qat(tmp_path_factory, tiny_path, build_variants):
     return build_variants(spec, tmp_path_factory, both("train"))
 
 
-def training_step(packages) -> dict:
-    tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for kernels, (_, package) in packages.items():
-        model = package.Model()  # seeded per-name init: both builds start from the same weights
-        loss = model(tokens, tokens)
-        loss.backward()
-        results[kernels] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    (loss_c, g_c), (loss_t, g_t) = results["c"], results["torch"]
-    assert g_c.keys() == g_t.keys() and len(g_c) > 50
-    return abs(loss_c.item() - loss_t.item()) / abs(loss_t.item()), {n: rel_rms(g_c[n], g_t[n]) for n in g_t}
-
-
 def test_every_graph_calls_the_c_kernels(packages):
     source = (packages["c"][0] / "model.py").read_text()
     train = source[: source.index("class Model(")]
@@ -60,8 +47,8 @@ def test_every_graph_calls_the_c_kernels(packages):
     assert all(op in C_KERNELS for op in ("moe_combine", "glu_train", "rms_inv", "l2_norm", "rms_norm_gate"))
 
 
-def test_training_step_matches_the_reference_build(packages):
-    loss_err, errors = training_step(packages)
+def test_training_step_matches_the_reference_build(packages, step_differences):
+    loss_err, errors = step_differences(packages, "torch", "c", 2, SEQ)
     worst = max(errors, key=errors.get)
     print(f"QAT: loss rel diff {loss_err:.1e}; worst gradient {worst} {errors[worst]:.1e}")
     assert loss_err <= 1e-4
@@ -69,8 +56,8 @@ def test_training_step_matches_the_reference_build(packages):
     assert sorted(errors.values())[len(errors) // 2] <= 1e-4
 
 
-def test_training_step_without_qat_matches_every_gradient(packages_no_qat):
-    loss_err, errors = training_step(packages_no_qat)
+def test_training_step_without_qat_matches_every_gradient(packages_no_qat, step_differences):
+    loss_err, errors = step_differences(packages_no_qat, "torch", "c", 2, SEQ)
     worst = max(errors, key=errors.get)
     print(f"no QAT: loss rel diff {loss_err:.1e}; worst gradient {worst} {errors[worst]:.1e}")
     assert loss_err <= 1e-5 and errors[worst] <= 1e-4

@@ -50,26 +50,6 @@ def packages_no_qat(tmp_path_factory, tiny_path, build_variants):
     return build_variants(spec, tmp_path_factory, both("train"))
 
 
-def training_step(packages) -> dict:
-    """{target: (loss, {parameter: gradient})} of one forward+backward step on the same tokens and weights."""
-    tokens = torch.randint(0, 256, (1, SEQ), generator=torch.Generator().manual_seed(0))
-    results = {}
-    for target, (_, package) in packages.items():
-        model = package.Model()  # seeded per-name init: both builds start from the same weights
-        loss = model(tokens, tokens)
-        loss.backward()
-        results[target] = loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    return results
-
-
-def compare(results) -> tuple[float, dict[str, float]]:
-    """(relative loss difference, {parameter: gradient relative RMS difference}) between the two builds."""
-    (loss_cpu, g_cpu), (loss_h200, g_h200) = results["cpu"], results["h200"]
-    assert g_cpu.keys() == g_h200.keys() and len(g_cpu) > 50
-    errors = {n: rel_rms(g_h200[n], g_cpu[n]) for n in g_cpu}
-    return abs(loss_h200.item() - loss_cpu.item()) / abs(loss_cpu.item()), errors
-
-
 def bound_ops(path) -> dict[str, dict[str, str]]:
     """{graph: {k3 op: implementation}} from the package's manifest binding tables."""
     manifest = json.loads((path / "manifest.json").read_text())
@@ -101,8 +81,8 @@ def test_h200_binds_every_op_that_has_a_kernel(packages):
     assert "backend = 'triton'" not in cpu_source
 
 
-def test_h200_training_step_matches_the_cpu_build(packages):
-    loss_err, errors = compare(training_step(packages))
+def test_h200_training_step_matches_the_cpu_build(packages, step_differences):
+    loss_err, errors = step_differences(packages, "cpu", "h200", 1, SEQ)
     worst = max(errors, key=errors.get)
     print(f"QAT: loss rel diff {loss_err:.1e}; worst gradient {worst} {errors[worst]:.1e}")
     assert loss_err <= 1e-4
@@ -110,8 +90,8 @@ def test_h200_training_step_matches_the_cpu_build(packages):
     assert sorted(errors.values())[len(errors) // 2] <= 1e-4  # the typical gradient agrees as without QAT
 
 
-def test_h200_training_step_without_qat_matches_every_gradient(packages_no_qat):
-    loss_err, errors = compare(training_step(packages_no_qat))
+def test_h200_training_step_without_qat_matches_every_gradient(packages_no_qat, step_differences):
+    loss_err, errors = step_differences(packages_no_qat, "cpu", "h200", 1, SEQ)
     worst = max(errors, key=errors.get)
     print(f"no QAT: loss rel diff {loss_err:.1e}; worst gradient {worst} {errors[worst]:.1e}")
     assert loss_err <= 1e-4 and errors[worst] <= 1e-4
