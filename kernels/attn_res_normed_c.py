@@ -23,15 +23,12 @@ _MIX = (c_void_p, c_void_p, c_void_p, c_void_p, c_int64, c_int64, c_int64, c_int
 _MIX_BWD = (c_void_p,) * 7 + (c_int64, c_int64, c_int64, c_int)
 
 
-def _f32(t: Tensor) -> Tensor:
-    return t.to(torch.float32).contiguous()
-
 
 def rms_inv(x_BTD: Tensor, eps: float) -> Tensor:
     """r [B, T] = 1/sqrt(mean(x^2) + eps), as `rms_inv_ref`."""
     if x_BTD.dtype == torch.float64:
         return ref.rms_inv_ref(x_BTD, eps)
-    x = _f32(x_BTD)
+    x = native.f32(x_BTD)
     r = torch.empty(x.shape[:-1], dtype=torch.float32)
     native.function("k3_rms_inv", _RMS)(x.data_ptr(), r.data_ptr(), r.numel(), x.shape[-1], eps, native.threads())
     return r
@@ -41,7 +38,7 @@ def rms_inv_bwd(grads: list[Tensor], x_BTD: Tensor, eps: float) -> list[Tensor]:
     """[dx] of `rms_inv` for grads = [dr]."""
     if x_BTD.dtype == torch.float64:
         return ref.rms_inv_bwd_ref(grads, x_BTD, eps)
-    x, dr = _f32(x_BTD), _f32(grads[0])
+    x, dr = native.f32(x_BTD), native.f32(grads[0])
     dx = torch.empty_like(x)
     native.function("k3_rms_inv_bwd", _RMS_BWD)(
         dr.data_ptr(), x.data_ptr(), dx.data_ptr(), dr.numel(), x.shape[-1], eps, native.threads()
@@ -57,8 +54,8 @@ def attn_res_normed(sources_SBTD: Tensor, rinv_SBT: Tensor, query_D: Tensor, nor
     """h = sum_i softmax_i(r_i (v_i . (query * norm_weight))) v_i, as `attn_res_normed_ref`."""
     if not _fits(sources_SBTD):
         return ref.attn_res_normed_ref(sources_SBTD, rinv_SBT, query_D, norm_weight_D)
-    v, r = _f32(sources_SBTD), _f32(rinv_SBT)
-    u = _f32(query_D * norm_weight_D) if query_D.dtype == torch.float32 else _f32(query_D) * _f32(norm_weight_D)
+    v, r = native.f32(sources_SBTD), native.f32(rinv_SBT)
+    u = native.f32(query_D) * native.f32(norm_weight_D)  # in fp32 whatever the parameters' dtype
     S, D = v.shape[0], v.shape[-1]
     h = torch.empty(v.shape[1:], dtype=torch.float32)
     native.function("k3_attn_res_normed", _MIX)(
@@ -73,8 +70,8 @@ def attn_res_normed_bwd(
     """[dsources, drinv, dquery, dnorm_weight] of `attn_res_normed` for grads = [dh]."""
     if not _fits(sources_SBTD):
         return ref.attn_res_normed_bwd_ref(grads, sources_SBTD, rinv_SBT, query_D, norm_weight_D)
-    v, r, dh = _f32(sources_SBTD), _f32(rinv_SBT), _f32(grads[0])
-    q, w = _f32(query_D), _f32(norm_weight_D)
+    v, r, dh = native.f32(sources_SBTD), native.f32(rinv_SBT), native.f32(grads[0])
+    q, w = native.f32(query_D), native.f32(norm_weight_D)
     u = q * w
     S, D = v.shape[0], v.shape[-1]
     threads = native.threads()

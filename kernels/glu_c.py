@@ -38,8 +38,8 @@ def glu_train(gate: Tensor, up: Tensor, kind: str, beta1: float, beta2: float) -
     check_glu_kind(kind, "glu_train")
     if gate.dtype == torch.float64:
         return glu_train_ref(gate, up, kind, beta1, beta2)
-    g = gate.to(torch.float32).contiguous()
-    u = up.to(torch.float32).contiguous()
+    g = native.f32(gate)
+    u = native.f32(up)
     y, jg, ju = (torch.empty(gate.shape, dtype=torch.float32) for _ in range(3))
     glu_fill(g, u, y, jg, ju, kind, beta1, beta2)
     return y.to(gate.dtype), jg, ju
@@ -51,7 +51,7 @@ def glu_train_bwd(grads: list[Tensor], outputs: list[Tensor], gate: Tensor, up: 
     _, jg, ju = outputs
     if jg.dtype != torch.float32:
         return glu_train_bwd_ref(grads, outputs, gate, up, kind, beta1, beta2)
-    gy = grads[0].to(torch.float32).contiguous()
+    gy = native.f32(grads[0])
     dg, du = torch.empty_like(jg), torch.empty_like(ju)
     native.function("k3_glu_grads", _GRADS)(
         gy.data_ptr(), jg.data_ptr(), ju.data_ptr(), dg.data_ptr(), du.data_ptr(), gy.numel(), native.threads()

@@ -16,9 +16,6 @@ _FWD = (c_void_p,) * 4 + (c_int64,) * 3 + (c_int, c_float, c_int)
 _BWD = (c_void_p,) * 7 + (c_int64,) * 3 + (c_int, c_float, c_int)
 
 
-def _f32(t: Tensor) -> Tensor:
-    return t.to(torch.float32).contiguous()
-
 
 def _form(form: str) -> int:
     if form not in DECAY_FORMS:
@@ -30,7 +27,7 @@ def kda_gate(f_BTHK: Tensor, A_log_H: Tensor, dt_bias_P: Tensor, form: str, lowe
     """Log decay g (<= 0, fp32) from the gate projection f, as `kda_gate_ref`."""
     if f_BTHK.dtype == torch.float64:
         return kda_gate_ref(f_BTHK, A_log_H, dt_bias_P, form, lower_bound)
-    f, a, b = _f32(f_BTHK), _f32(A_log_H), _f32(dt_bias_P)
+    f, a, b = native.f32(f_BTHK), native.f32(A_log_H), native.f32(dt_bias_P)
     H, K = f.shape[-2:]
     g = torch.empty_like(f)
     native.function("k3_kda_gate", _FWD)(
@@ -47,7 +44,7 @@ def kda_gate_bwd(grads: list[Tensor], f_BTHK: Tensor, A_log_H: Tensor, dt_bias_P
         leaves = [t.detach().requires_grad_() for t in (f_BTHK, A_log_H, dt_bias_P)]
         with torch.enable_grad():
             return list(torch.autograd.grad(kda_gate_ref(*leaves, form, lower_bound), leaves, grads[0]))
-    f, a, b, dg = _f32(f_BTHK), _f32(A_log_H), _f32(dt_bias_P), _f32(grads[0])
+    f, a, b, dg = native.f32(f_BTHK), native.f32(A_log_H), native.f32(dt_bias_P), native.f32(grads[0])
     H, K = f.shape[-2:]
     threads = native.threads()
     df = torch.empty_like(f)

@@ -40,7 +40,7 @@ def moe_combine_bwd(grads: list[Tensor], out_ECD: Tensor, weights_TK: Tensor, sl
         with torch.enable_grad():
             return list(torch.autograd.grad(combine_ref(*leaves, slots_TK), leaves, grads[0]))
     rows, w, slots = out_ECD.contiguous(), weights_TK.contiguous(), slots_TK.contiguous()
-    dy = grads[0].to(torch.float32).contiguous()
+    dy = native.f32(grads[0])
     (t, k), d = slots.shape, rows.shape[-1]
     drows, dw = torch.empty_like(rows), torch.empty_like(w)
     native.function("k3_moe_combine_bwd", _BWD)(

@@ -29,7 +29,7 @@ def mx_fake_quantize(x: Tensor, fmt: str, block: int = 32) -> Tensor:
     check_mx_shape(x.shape[-1], fmt, block)
     if x.dtype not in FAST_DTYPES:
         return mx_fake_quantize_ref(x, fmt, block)
-    xf = x.to(torch.float32).contiguous()
+    xf = native.f32(x)
     y = torch.empty_like(xf)
     native.function("k3_mx_fake_quantize", _ARGS)(
         xf.data_ptr(), y.data_ptr(), xf.numel() // block, block, *format_args(fmt), native.threads()

@@ -146,6 +146,11 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
+def f32(t: Tensor) -> Tensor:
+    """`t` as the kernels read it: fp32, contiguous (no copy when it already is)."""
+    return t.to(torch.float32).contiguous()
+
+
 def ptr(t: Tensor | None) -> int | None:
     """A tensor's data address for a C kernel (None for an absent tensor: a NULL pointer)."""
     return None if t is None else t.data_ptr()

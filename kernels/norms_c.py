@@ -21,13 +21,10 @@ _L2 = (c_void_p,) * 2 + (c_int64, c_int64, c_float, c_int)
 _L2_BWD = (c_void_p,) * 3 + (c_int64, c_int64, c_float, c_int)
 
 
-def _f32(t: Tensor) -> Tensor:
-    return t.to(torch.float32).contiguous()
-
 
 def _rms(x: Tensor, weight: Tensor, gate: Tensor | None, eps: float) -> Tensor:
-    xf, w = _f32(x), _f32(weight)
-    g = None if gate is None else _f32(gate)
+    xf, w = native.f32(x), native.f32(weight)
+    g = None if gate is None else native.f32(gate)
     y = torch.empty_like(xf)
     D = xf.shape[-1]
     native.function("k3_rms_norm", _RMS)(
@@ -37,8 +34,8 @@ def _rms(x: Tensor, weight: Tensor, gate: Tensor | None, eps: float) -> Tensor:
 
 
 def _rms_bwd(gy: Tensor, x: Tensor, weight: Tensor, gate: Tensor | None, eps: float) -> list[Tensor]:
-    xf, w, g = _f32(x), _f32(weight), _f32(gy)
-    a = None if gate is None else _f32(gate)
+    xf, w, g = native.f32(x), native.f32(weight), native.f32(gy)
+    a = None if gate is None else native.f32(gate)
     D, threads = xf.shape[-1], native.threads()
     dx = torch.empty_like(xf)
     dw = torch.zeros(threads, D, dtype=torch.float32)
@@ -83,7 +80,7 @@ def l2_norm(x: Tensor, eps: float) -> Tensor:
     """x / sqrt(sum(x^2) + eps), as `l2_norm_ref`."""
     if x.dtype == torch.float64:
         return ref.l2_norm_ref(x, eps)
-    xf = _f32(x)
+    xf = native.f32(x)
     y = torch.empty_like(xf)
     D = xf.shape[-1]
     native.function("k3_l2_norm", _L2)(xf.data_ptr(), y.data_ptr(), xf.numel() // D, D, eps, native.threads())
@@ -94,7 +91,7 @@ def l2_norm_bwd(grads: list[Tensor], x: Tensor, eps: float) -> list[Tensor]:
     """[dx] of `l2_norm` for grads = [dy]."""
     if x.dtype == torch.float64:
         return ref.l2_norm_bwd_ref(grads, x, eps)
-    xf, g = _f32(x), _f32(grads[0])
+    xf, g = native.f32(x), native.f32(grads[0])
     dx = torch.empty_like(xf)
     D = xf.shape[-1]
     native.function("k3_l2_norm_bwd", _L2_BWD)(

@@ -20,9 +20,6 @@ _FWD = (c_void_p,) * 5 + (c_int64,) * 4 + (c_int,)
 _BWD = (c_void_p,) * 10 + (c_int64,) * 4 + (c_int,)
 
 
-def _f32(t: Tensor) -> Tensor:
-    return t.to(torch.float32).contiguous()
-
 
 def _uses_reference(x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor | None) -> bool:
     W = weight_CW.shape[-1]
@@ -32,8 +29,8 @@ def _uses_reference(x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor 
 
 def _operands(x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor | None):
     """(x, history [B, W-1, C] or None, taps [W, C], a zero row [C]) in contiguous fp32."""
-    hist = None if initial_state_BCW is None else _f32(initial_state_BCW.transpose(1, 2))
-    return _f32(x_BTC), hist, _f32(weight_CW.T), torch.zeros(x_BTC.shape[-1], dtype=torch.float32)
+    hist = None if initial_state_BCW is None else native.f32(initial_state_BCW.transpose(1, 2))
+    return native.f32(x_BTC), hist, native.f32(weight_CW.T), torch.zeros(x_BTC.shape[-1], dtype=torch.float32)
 
 
 def short_conv(x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor | None = None) -> tuple[Tensor, Tensor]:
@@ -64,8 +61,8 @@ def short_conv_bwd(
     x, hist, taps, zeros = _operands(x_BTC, weight_CW, initial_state_BCW)
     B, T, C = x.shape
     W, threads = taps.shape[0], native.threads()
-    dy = _f32(grads[0])
-    dstate = _f32(grads[1].transpose(1, 2)) if len(grads) > 1 and grads[1] is not None else None
+    dy = native.f32(grads[0])
+    dstate = native.f32(grads[1].transpose(1, 2)) if len(grads) > 1 and grads[1] is not None else None
     da, dx = torch.empty_like(x), torch.empty_like(x)
     dhist = None if hist is None else torch.empty_like(hist)
     dw = torch.zeros(threads, W, C, dtype=torch.float32)
