@@ -88,19 +88,34 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser(
         "plan",
-        help="per-rank memory of every dp x ep layout of N GPUs, for training and serving",
-        description="From the spec alone: for every dp x ep layout of --gpus GPUs (ep dividing the routed experts), "
-        "per rank the parameters, fp32 weight, gradient and optimiser bytes (Per-Head Muon momentum, AdamW moments), "
-        "an estimate of the activations one training step saves at the batch and sequence, the all-to-all bytes per "
-        "step, the serving weights under the quantisation policy and decode caches, and which layouts fit the GPU.",
+        help="per-rank memory and traffic of every dp x tp x pp x ep layout of N GPUs, for training and serving",
+        description="From the spec alone: for every dp x tp x pp x ep layout of --gpus GPUs (tp dividing the attention "
+        "heads, FFN widths and vocabulary it cuts and, by default, a node's GPUs; ep dividing the routed experts; pp at "
+        "most the layers), per rank the fp32 weight, gradient and optimiser bytes (Per-Head Muon momentum, AdamW "
+        "moments) as FSDP2 shards them, the activations one training step saves with and without activation "
+        "checkpointing under the pipeline schedule, the bytes each collective sends per step (FSDP2 all-gather and "
+        "reduce-scatter, Muon's update gather, TP all-gather/reduce-scatter, EP all-to-all, PP send/recv of the "
+        "attention-residual sources), the serving weights under the quantisation policy and decode caches, and which "
+        "layouts fit the GPU; the best --top of each ranking (docs/distributed.md gives every formula).",
     )
     _add_spec_args(p)
-    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs N (the world size dp x ep)")
+    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs N (the world size dp x tp x pp x ep)")
     p.add_argument("--gpu", choices=("h200", "h100", "a100", "b200"), required=True, help="GPU kind (its memory)")
     p.add_argument("--batch", type=_positive, default=None,
-                   help="global batch in sequences (default: one per GPU, a micro-batch)")
+                   help="global batch in sequences, training's or the sequences served at once (default: one per GPU)")
     p.add_argument("--seq", type=_positive, default=None, help="tokens per sequence (default: training.seq_len)")
-    p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
+    p.add_argument("--microbatch", type=_positive, default=None,
+                   help="sequences per microbatch (default: 1 under pipeline parallelism, else a replica's whole share)")
+    p.add_argument("--schedule", choices=("1f1b", "interleaved"), default="1f1b",
+                   help="pipeline schedule (torch.distributed.pipelining's Schedule1F1B or ScheduleInterleaved1F1B)")
+    p.add_argument("--virtual-stages", type=_positive, default=None,
+                   help="stages per pipeline rank under --schedule interleaved (default 2)")
+    p.add_argument("--gpus-per-node", type=_positive, default=8,
+                   help="GPUs per node; tp must divide it (default 8, NVLink within the node)")
+    p.add_argument("--tp-across-nodes", action="store_true", help="let tp span nodes (drops the rule above)")
+    p.add_argument("--top", type=_positive, default=10, help="layouts shown per table, best first (default 10)")
+    p.add_argument("--all", action="store_true", help="show every layout (tables and --json)")
+    p.add_argument("--json", action="store_true", help="print one JSON document (the --top layouts, or --all)")
 
     p = sub.add_parser("check", help="validate a spec and print a one-screen summary",
                        description="Validate a spec (schema and cross-field checks) and summarise it.")
@@ -255,12 +270,18 @@ def _cmd_stats(args) -> None:
 
 
 def _cmd_plan(args) -> None:
-    from k3compile.analysis.plan import plan
+    from k3compile.analysis.plan import PlanError, plan
     from k3compile.report import print_plan
     from k3compile.spec.load import load_spec
 
     spec = load_spec(args.spec, args.overrides, args.extends_anywhere)
-    result = plan(spec, args.gpus, args.gpu, args.batch, args.seq)
+    try:
+        result = plan(spec, args.gpus, args.gpu, args.batch, args.seq, microbatch=args.microbatch,
+                      schedule=args.schedule, virtual_stages=args.virtual_stages,
+                      gpus_per_node=None if args.tp_across_nodes else args.gpus_per_node,
+                      top=None if args.all else args.top)  # fmt: skip
+    except PlanError as e:
+        raise UsageError(str(e)) from None
     if args.json:
         print(json.dumps(result, indent=2))
     else:

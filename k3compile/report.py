@@ -187,40 +187,79 @@ def print_build(dest, manifest: dict) -> None:
         con.print(t)
 
 
+def _layout(r: dict) -> str:
+    return f"{r['dp']} x {r['tp']} x {r['pp']} x {r['ep']}"
+
+
 def print_plan(pl: dict) -> None:
-    """`k3compile plan`'s tables: one row per dp x ep layout, per-rank bytes of training, then of serving."""
+    """`k3compile plan`'s tables: the ranked layouts' per-rank training memory, then their bytes sent per training
+    step, then per-rank serving memory; each table in its own ranking."""
     con = _console()
     gb = pl["gpu_memory_bytes"]
+    mb = "one sequence under pp > 1, else a replica's share" if pl["microbatch"] is None else pl["microbatch"]
     con.print(
         f"[bold]{escape(pl['spec'])}[/]: {human(pl['params']['total'])} parameters "
         f"({human(pl['params']['routed_experts'])} in routed experts) on {pl['gpus']} x {pl['gpu'].upper()} "
         f"({human(gb, 'B')} each; fits: at most {pl['fit_fraction']:.0%} of it); "
-        f"global batch {pl['batch']} x {pl['seq']} tokens"
-    )
-    yes = {True: "[green]yes", False: "[red]no"}
-    t = Table(title="training, per rank: fp32 weights, gradients and optimiser state (FSDP2 layout), activations",
-              title_justify="left")  # fmt: skip
-    for col in ("dp x ep", "experts", "params", "weights", "grads", "optimizer", "activations", "total", "fits",
-                "gathered", "fits", "all-to-all / step"):
-        t.add_column(col, justify="left" if col == "dp x ep" else "right")
-    for r in pl["layouts"]:
+        f"global batch {pl['batch']} x {pl['seq']} tokens, microbatches of {mb}; "
+        f"pipeline schedule {pl['schedule']}" + (f" ({pl['virtual_stages']} stages per rank)" if pl["virtual_stages"] > 1 else "")
+    )  # fmt: skip
+    rules = pl["rules"]
+    node = f" and {rules['tp_within_node_of']} (a node)" if rules["tp_within_node_of"] else ""
+    con.print(
+        f"layouts dp x tp x pp x ep = {pl['gpus']}: tp divides {', '.join(f'{k} {v}' for k, v in rules['tp_divides'].items())}"
+        f"{node}; ep divides {rules['ep_divides']}; pp at most {rules['pp_at_most']}. "
+        f"{pl['layouts_total']} layouts, {len(pl['layouts'])} shown"
+        + ("" if len(pl["layouts"]) == pl["layouts_total"] else " (the best of each table; --all for every one)")
+    )  # fmt: skip
+    fits = {(True, False): "[green]yes", (True, True): "[yellow]AC", (False, False): "[red]no", (False, True): "[red]no"}
+    top = pl["top"] or len(pl["layouts"])
+    train = sorted((r for r in pl["layouts"] if (r["train_rank"] or top + 1) <= top), key=lambda r: r["train_rank"])
+    t = Table(title="training, per rank (the busiest pipeline rank): fp32 weights, gradients and optimiser state "
+              "sharded by FSDP2, activations without and with activation checkpointing (AC)", title_justify="left")
+    for col in ("#", "dp x tp x pp x ep", "μbatches", "weights+grads", "optimizer", "activations", "AC", "FSDP2",
+                "gathered", "total", "fits"):
+        t.add_column(col, justify="left" if col in ("dp x tp x pp x ep", "FSDP2") else "right")
+    for r in train:
+        gathered = r["fsdp_gathered_bytes"] if r["fsdp_policy"] == "keep" else r["fsdp_buffer_bytes"]
         t.add_row(
-            f"{r['dp']} x {r['ep']}", str(r["experts_per_rank"]), human(r["params_per_rank"]),
-            human(r["param_bytes"], "B"), human(r["grad_bytes"], "B"), human(r["optimizer_bytes"], "B"),
-            human(r["activation_bytes"], "B"), human(r["train_bytes"], "B"), yes[r["train_fits"]],
-            human(r["train_bytes_gathered"], "B"), yes[r["train_fits_gathered"]],
-            human(r["all_to_all_bytes_per_step"], "B"),
+            str(r["train_rank"]), _layout(r), str(r["microbatches"]), human(r["param_bytes"] + r["grad_bytes"], "B"),
+            human(r["optimizer_bytes"], "B"), human(r["activation_bytes"], "B"), human(r["activation_bytes_ac"], "B"),
+            r["fsdp_policy"], human(gathered, "B"), human(r["train_bytes_chosen"], "B"),
+            fits[r["train_fits_chosen"], r["activation_checkpointing"]],
         )  # fmt: skip
     con.print(t)
-    con.print("gathered: plus the whole model's weights and gradients during the step, as `k3compile train`'s "
-              "root-level FSDP2 holds them")
+    con.print("FSDP2 reshard: each layer gathered for every microbatch's forward and backward (gathered: two layers' "
+              "weights, one's gradients); keep: gathered once a step and held. AC: fits only with per-layer activation "
+              "checkpointing. Ranked: fits without AC, then with it; by pipeline bubble, then bytes sent.")
+    t = Table(title="training, bytes each rank sends per step (ring collectives: (n - 1) / n of the whole)",
+              title_justify="left")  # fmt: skip
+    for col in ("#", "dp x tp x pp x ep", "FSDP AG", "FSDP RS", "Muon AG", "TP", "EP a2a", "PP p2p", "recompute",
+                "total", "bubble"):
+        t.add_column(col, justify="left" if col == "dp x tp x pp x ep" else "right")
+    for r in train:
+        c = r["comm"]
+        t.add_row(
+            str(r["train_rank"]), _layout(r), human(c["fsdp_all_gather"], "B"), human(c["fsdp_reduce_scatter"], "B"),
+            human(c["muon_all_gather"], "B"), human(c["tp_attention"] + c["tp_ffn"] + c["tp_vocab"], "B"),
+            human(c["ep_dispatch"] + c["ep_combine"], "B"), human(c["pp_send"], "B"), human(c["recompute"], "B"),
+            human(r["comm_bytes"], "B"), f"{r['bubble']:.0%}",
+        )  # fmt: skip
+    con.print(t)
+    if pl["layouts_not_trainable"]:
+        con.print(f"{pl['layouts_not_trainable']} layouts cannot train at this batch: their pipeline schedule has too "
+                  "few microbatches (--batch, --microbatch)")
+    serve = sorted((r for r in pl["layouts"] if r["serve_rank"] <= top), key=lambda r: r["serve_rank"])
     t = Table(title="serving, per rank: weights under the quantisation policy, decode caches of its sequences",
               title_justify="left")  # fmt: skip
-    for col in ("dp x ep", "routed experts", "weights", "cache", "total", "fits"):
-        t.add_column(col, justify="left" if col == "dp x ep" else "right")
-    for r in pl["layouts"]:
+    for col in ("#", "dp x tp x pp x ep", "routed experts", "weights", "cache", "total", "fits", "sequences / GPU"):
+        t.add_column(col, justify="left" if col == "dp x tp x pp x ep" else "right")
+    for r in serve:
         t.add_row(
-            f"{r['dp']} x {r['ep']}", human(r["routed_expert_bytes_per_rank"], "B"), human(r["serve_weight_bytes"], "B"),
-            human(r["serve_cache_bytes"], "B"), human(r["serve_bytes"], "B"), yes[r["serve_fits"]],
+            str(r["serve_rank"]), _layout(r), human(r["routed_expert_bytes_per_rank"], "B"),
+            human(r["serve_weight_bytes"], "B"), human(r["serve_cache_bytes"], "B"), human(r["serve_bytes"], "B"),
+            "[green]yes" if r["serve_fits"] else "[red]no", f"{r['serve_sequences_per_gpu']:.1f}",
         )  # fmt: skip
     con.print(t)
+    con.print(f"sequences / GPU: how many sequences of {pl['seq']} tokens the memory the weights leave would hold, "
+              "per GPU of a replica (tp x pp GPUs); ranked by it, fitting layouts first.")

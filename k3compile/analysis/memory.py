@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from k3compile.analysis.formats import storage_bytes
-from k3compile.spec.schema import MIXER_KDA, MIXER_MLA, Spec
+from k3compile.spec.schema import MIXER_MLA, Spec
 from k3compile.spec.weights import weight_inventory
 
 CACHE_BYTES = 2  # bf16 MLA latent cache and short-conv state
@@ -23,27 +23,27 @@ def weight_bytes(spec: Spec) -> dict:
     return {"policy": policy, "bf16": bf16, "by_format": dict(sorted(by_format.items()))}
 
 
-def _mla_bytes(spec: Spec, context: int, batch: int) -> int:
-    m = spec.mla
-    return batch * context * (m.kv_lora_rank + m.qk_rope_head_dim) * CACHE_BYTES
+def layer_cache_bytes(spec: Spec, mixer: str, context: int, batch: int) -> dict:
+    """Decode cache of one layer with token mixer `mixer` at `context` tokens and `batch` sequences, by kind."""
+    if mixer == MIXER_MLA:
+        m = spec.mla
+        return {"mla_latent": batch * context * (m.kv_lora_rank + m.qk_rope_head_dim) * CACHE_BYTES}
+    H, K, W = spec.kda.num_heads, spec.kda.head_dim, spec.kda.short_conv_size
+    return {"kda_state": batch * H * K * K * STATE_BYTES, "short_conv": batch * 3 * H * K * (W - 1) * CACHE_BYTES}
 
 
 def cache_bytes(spec: Spec, context: int, batch: int) -> dict:
     """Decode cache at `context` tokens and `batch` sequences, and the all-full-attention equivalent."""
-    mixers = spec.mixers
-    n_mla, n_kda = mixers.count(MIXER_MLA), mixers.count(MIXER_KDA)
-    mla = n_mla * _mla_bytes(spec, context, batch) if n_mla else 0
-    state = conv = 0
-    if n_kda:
-        H, K, W = spec.kda.num_heads, spec.kda.head_dim, spec.kda.short_conv_size
-        state = n_kda * batch * H * K * K * STATE_BYTES
-        conv = n_kda * batch * 3 * H * K * (W - 1) * CACHE_BYTES
-    full = len(mixers) * _mla_bytes(spec, context, batch) if spec.mla is not None else None
+    by_kind = {"mla_latent": 0, "kda_state": 0, "short_conv": 0}
+    for mixer in spec.mixers:
+        for kind, b in layer_cache_bytes(spec, mixer, context, batch).items():
+            by_kind[kind] += b
+    full = None
+    if spec.mla is not None:
+        full = spec.num_layers * layer_cache_bytes(spec, MIXER_MLA, context, batch)["mla_latent"]
     return {
-        "total": mla + state + conv,
-        "mla_latent": mla,
-        "kda_state": state,
-        "short_conv": conv,
+        "total": sum(by_kind.values()),
+        **by_kind,
         "all_full_attention": full,
         "context": context,
         "batch": batch,
