@@ -22,7 +22,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from k3compile.runtime.durable import fsync_path
+from k3compile.safe_io import fsync_path
 
 MARKER = ".k3compile-build"
 _OWN_CACHE = "__pycache__"  # importing a build writes bytecode there: not a foreign file

@@ -28,7 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from k3compile.runtime.durable import fsync_path
+from k3compile.safe_io import fsync_path
 from k3compile.runtime.muon import PerHeadMuon
 
 FORMAT = "k3compile-checkpoint/2"

@@ -28,7 +28,7 @@ from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime.distributed import Layout, barrier
 from k3compile.runtime.fsdp import local
 from k3compile.runtime.muon import _scalar_dtype
-from k3compile.runtime.durable import fsync_path
+from k3compile.safe_io import fsync_path
 
 META = "k3compile.json"
 _NAME = re.compile(r"step-(\d{6,})\.dcp")
