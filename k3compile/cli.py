@@ -13,9 +13,11 @@ import signal
 import sys
 
 from k3compile import __version__
+from k3compile.spec.schema import MAX_BATCH, MAX_CONTEXT, MAX_DEGREE  # sizes on the command line: the spec's bounds
 
 EXIT_BAD_INPUT = 2
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
+MAX_GPUS = MAX_DEGREE**2  # dp x ep, each at most the spec's bound
 
 
 class UsageError(Exception):
@@ -42,14 +44,30 @@ def _add_spec_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> Non
         )
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+def _shown(text: str) -> str:
+    """An argument in an error, clipped: a 5,000-digit number is not echoed whole."""
+    return repr(text) if len(text) <= 40 else repr(text[:20]) + f"... ({len(text):,} characters)"
+
+
+def _integer(text: str) -> int:
+    """An integer argument (at most 40 digits: every count k3compile takes is far smaller)."""
+    if not re.fullmatch(r"\s*[-+]?\d{1,40}\s*", text):
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer")
+    return int(text)
+
+
+def _positive(text: str, limit: int | None = None) -> int:
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if limit is not None and value > limit:
+        raise argparse.ArgumentTypeError(f"{value} is more than {limit:,}")
     return value
+
+
+def _at_most(limit: int):
+    """A positive integer of at most `limit`: sizes are bounded before any work proportional to them."""
+    return lambda text: _positive(text, limit)
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -57,10 +75,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 def _size(text: str) -> int:
     """A byte count such as 5GB, 200MB, 64KiB or 1000000 (Hugging Face's decimal units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    m = re.fullmatch(r"\s*(\d{1,20})\s*([A-Za-z]*)\s*", text)
     unit = m and m.group(2).lower()
     if m is None or unit not in _UNITS or int(m.group(1)) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 200MB or 1000000")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a size such as 5GB, 200MB or 1000000")
     return int(m.group(1)) * _UNITS[unit]
 
 
@@ -83,8 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_spec_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    p.add_argument("--context", type=_positive, default=None, help="context length N (default: the spec's)")
-    p.add_argument("--batch", type=_positive, default=1, help="decode batch B for cache bytes (default 1)")
+    p.add_argument("--context", type=_at_most(MAX_CONTEXT), default=None, help="context length N (default: the spec's)")
+    p.add_argument("--batch", type=_at_most(MAX_BATCH), default=1, help="decode batch B for cache bytes (default 1)")
 
     p = sub.add_parser(
         "plan",
@@ -95,11 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
         "step, the serving weights under the quantisation policy and decode caches, and which layouts fit the GPU.",
     )
     _add_spec_args(p)
-    p.add_argument("--gpus", type=_positive, required=True, help="number of GPUs N (the world size dp x ep)")
+    p.add_argument("--gpus", type=_at_most(MAX_GPUS), required=True, help="number of GPUs N (the world size dp x ep)")
     p.add_argument("--gpu", choices=("h200", "h100", "a100", "b200"), required=True, help="GPU kind (its memory)")
-    p.add_argument("--batch", type=_positive, default=None,
+    p.add_argument("--batch", type=_at_most(MAX_BATCH), default=None,
                    help="global batch in sequences (default: one per GPU, a micro-batch)")
-    p.add_argument("--seq", type=_positive, default=None, help="tokens per sequence (default: training.seq_len)")
+    p.add_argument("--seq", type=_at_most(MAX_CONTEXT), default=None, help="tokens per sequence (default: training.seq_len)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead of the table")
 
     p = sub.add_parser("check", help="validate a spec and print a one-screen summary",
@@ -115,7 +133,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a", help="first spec")
     p.add_argument("b", help="second spec")
     _add_extends_anywhere(p)
-    p.add_argument("--context", type=_positive, default=None, help="context length for derived numbers")
+    p.add_argument("--context", type=_at_most(MAX_CONTEXT), default=None, help="context length for derived numbers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
     p = sub.add_parser(
@@ -157,10 +175,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="a training checkpoint or a weights folder such as import-hf's output "
                    "(default: the build's seeded initial weights)")
     p.add_argument("--prompt", required=True, help="the prompt text (encoded as UTF-8 bytes)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens (bytes) to generate (default 128)")
+    p.add_argument("--max-new-tokens", type=_integer, default=128, help="tokens (bytes) to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1] (default 0.95)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=_integer, default=0, help="sampling seed (default 0)")
     p.add_argument("--nproc", type=_positive, default=1, metavar="N",
                    help="serve from N local processes (torch.distributed.run) splitting the routed experts over the "
                    "build's parallel.ep ranks; every rank decodes the same tokens, rank 0 writes them "
@@ -176,14 +194,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("spec", metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
     _add_extends_anywhere(p)
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps in total (the schedule's length)")
+    p.add_argument("--steps", type=_integer, required=True, help="optimizer steps in total (the schedule's length)")
     p.add_argument("--data", help="a text file or a folder of text files (default: the Python stdlib's sources)")
     p.add_argument("--out", help="run folder (default: runs/<spec name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="override a spec field (repeatable; only training.* for a build), e.g. --set training.lr=0.01")
-    p.add_argument("--eval-every", type=int, metavar="K", help="validate and checkpoint every K steps (default: steps // 6)")
-    p.add_argument("--stop-after", type=int, metavar="N",
+    p.add_argument("--eval-every", type=_integer, metavar="K", help="validate and checkpoint every K steps (default: steps // 6)")
+    p.add_argument("--stop-after", type=_integer, metavar="N",
                    help="stop (with a checkpoint) after N steps of this invocation; --resume continues the schedule")
     p.add_argument("--init-from", metavar="WEIGHTS",
                    help="start from these weights instead of the seeded init: a weights folder (import-hf's output) "
@@ -501,7 +519,7 @@ def _add_export_parser(sub) -> None:
                    "none for a meta-device (shapes only) build")
     p.add_argument("--mx", default="fp4", metavar="FP4|UINT8",
                    help="fp4 (FLOAT4E2M1 + E8M0 scales through DequantizeLinear, opset >= 24; default) or uint8")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, metavar="N", help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument("--opset", type=_integer, default=DEFAULT_OPSET, metavar="N", help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--check", action="store_true",
                    help="run onnx.checker (full), strict shape inference and a numerical comparison with PyTorch "
                    "on random tokens; print the k3 functions used and the largest relative error")
@@ -570,8 +588,8 @@ def _add_ablate_parser(sub) -> None:
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="one variant per value of a spec field (repeatable: the cartesian product), e.g. moe.top_k=2,4,8")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="optimizer steps per run")
-    budget.add_argument("--tokens", type=int, help="training tokens per run (steps = tokens / (batch x seq_len))")
+    budget.add_argument("--steps", type=_integer, help="optimizer steps per run")
+    budget.add_argument("--tokens", type=_integer, help="training tokens per run (steps = tokens / (batch x seq_len))")
     p.add_argument("--seeds", help="comma list of seeds, e.g. 0,1,2 (default 0): init and data order per seed")
     p.add_argument("--tasks", help="comma list of lm, mqar (default both)")
     p.add_argument("--mqar", action="append", default=[], metavar="KEY=N",
@@ -579,8 +597,8 @@ def _add_ablate_parser(sub) -> None:
     p.add_argument("--data", help="LM text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="override a field of every variant (repeatable), e.g. --set num_layers=4")
-    p.add_argument("--eval-every", type=int, metavar="K", help="evaluate and checkpoint every K steps (default: steps // 6)")
-    p.add_argument("--jobs", type=int, help="runs in parallel, each with its share of the CPU threads (default 1)")
+    p.add_argument("--eval-every", type=_integer, metavar="K", help="evaluate and checkpoint every K steps (default: steps // 6)")
+    p.add_argument("--jobs", type=_integer, help="runs in parallel, each with its share of the CPU threads (default 1)")
     p.add_argument("--out", help="study folder (created; a rerun into it continues the same study)")
 
 
@@ -595,12 +613,14 @@ def _cmd_ablate(args) -> None:
         try:
             return tuple(int(x) for x in text.split(","))
         except ValueError:
-            raise UsageError(f"--{what}: expected a comma list of integers, got {text!r}") from None
+            raise UsageError(f"--{what}: expected a comma list of integers, got {_shown(text)}") from None
 
     mqar = {}
     for item in args.mqar:
-        key, _, value = item.partition("=")
-        mqar[key.strip()] = ints(value, "mqar")[0] if value else None
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--mqar: expected KEY=N, got {_shown(item)}")
+        mqar[key.strip()] = ints(value, "mqar")[0]
     try:
         ablate(args.base, args.variants, args.grid, steps=args.steps, tokens=args.tokens,
                seeds=ints(args.seeds, "seeds") if args.seeds else None,
@@ -609,8 +629,6 @@ def _cmd_ablate(args) -> None:
                progress=True)
     except (AblateError, TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch) as e:
         raise UsageError(str(e)) from None
-    except TypeError as e:  # an unknown --mqar key
-        raise UsageError(f"--mqar: {e}") from None
 
 
 COMMANDS = {

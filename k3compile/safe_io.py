@@ -41,11 +41,13 @@ class MissingFile(FileError):
     """The path does not exist."""
 
 
-def shown(value: object, limit: int = _SHOWN) -> str:
-    """`value` for a one-line message: paths as text (repr when they hold control characters), other values as
-    repr; clipped to about `limit` characters, so a 5,000-digit number or a 600 kB list is not echoed whole."""
-    text = str(value) if isinstance(value, (str, os.PathLike)) else repr(value)
-    if isinstance(value, (str, os.PathLike)) and not text.isprintable():
+def shown(value: object, limit: int = _SHOWN, *, quote: bool = False) -> str:
+    """`value` for a one-line message: a path as text (repr when it holds control characters), anything else (and
+    with `quote` a string too) as repr; clipped to about `limit` characters, so that a 5,000-digit number or a
+    600 kB list is not echoed whole."""
+    plain = isinstance(value, (str, os.PathLike)) and not quote
+    text = str(value) if plain else repr(value)
+    if plain and not text.isprintable():
         text = repr(text)
     if len(text) <= limit:
         return text
@@ -278,17 +280,23 @@ def open_append(path: str | os.PathLike, mode: int = 0o644) -> int:
     return fd
 
 
-def make_dir(path: str | os.PathLike) -> Path:
+def make_dir(path: str | os.PathLike, *, inside: str | os.PathLike | None = None) -> Path:
     """`path` as a folder to write into, created with its parents when absent; FileError when it is a symbolic
-    link (the files would land wherever it points) or not a folder. OSError when it cannot be created."""
+    link (the files would land wherever it points) or not a folder, and with `inside` (a folder above it) when
+    any folder from there down is. OSError when it cannot be created."""
     path = Path(path)
-    if path.is_symlink():
-        raise FileError(f"{shown(path)} is a symbolic link; refusing to write through it")
-    if os.path.lexists(path) and not path.is_dir():
-        raise FileError(f"{shown(path)} exists and is not a folder")
-    path.mkdir(parents=True, exist_ok=True)
-    if path.is_symlink() or not path.is_dir():
-        raise FileError(f"{shown(path)} is not a folder k3compile can write into")
+    chain = [path]
+    if inside is not None:
+        parts = path.relative_to(inside).parts
+        chain = [Path(inside).joinpath(*parts[: i + 1]) for i in range(len(parts))]
+    for folder in chain:
+        if folder.is_symlink():
+            raise FileError(f"{shown(folder)} is a symbolic link; refusing to write through it")
+        if os.path.lexists(folder) and not folder.is_dir():
+            raise FileError(f"{shown(folder)} exists and is not a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        if folder.is_symlink() or not folder.is_dir():
+            raise FileError(f"{shown(folder)} is not a folder k3compile can write into")
     return path
 
 

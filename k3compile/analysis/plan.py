@@ -66,9 +66,10 @@ def activation_elements_per_token(spec: Spec) -> int:
 
 
 def layouts(spec: Spec, gpus: int) -> list[tuple[int, int]]:
-    """Every (dp, ep) with dp x ep = gpus and ep dividing the routed experts, by ep."""
+    """Every (dp, ep) with dp x ep = gpus and ep dividing the routed experts, by ep (found among the experts'
+    divisors: the work is bounded by the spec, not by `gpus`)."""
     experts = spec.moe.num_experts if spec.moe is not None else 1
-    return [(gpus // ep, ep) for ep in range(1, gpus + 1) if gpus % ep == 0 and experts % ep == 0]
+    return [(gpus // ep, ep) for ep in range(1, min(gpus, experts) + 1) if gpus % ep == 0 and experts % ep == 0]
 
 
 def plan(spec: Spec, gpus: int, gpu: str, batch: int | None = None, seq: int | None = None) -> dict:

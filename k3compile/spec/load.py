@@ -130,16 +130,20 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
+def _parse_yaml(text: str, file: str, spec: bool = True) -> tuple[Any, dict]:
+    """(plain data, where each path came from) of YAML text; a spec must be a non-empty mapping (`spec=False`:
+    any document, None when empty)."""
     locs: dict[Path_, Loc] = {}
     try:
         loader = yaml.SafeLoader(text)
         try:
             root = loader.get_single_node()
+            if root is None and not spec:
+                return None, locs
             if root is None:
                 raise SpecError([f"{file}:1:1: <spec>: the file is empty"])
             locs[()] = _mark(file, root)
-            if not isinstance(root, yaml.MappingNode):
+            if spec and not isinstance(root, yaml.MappingNode):
                 raise _err(_mark(file, root), (), "the top level must be a mapping of fields")
             data = _to_python(root, file, (), locs, _Budget(), loader)
         finally:
@@ -156,12 +160,12 @@ def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
     return data, locs
 
 
-def _read(path: Path, loc: Loc | str, field: Path_) -> str:
+def _read(path: Path, loc: Loc | str, field: Path_, what: str = "a spec") -> str:
     """The text of a spec file through the bounded reader (k3compile.safe_io): a regular file of at most
     MAX_FILE_BYTES, read up to that cap (its st_size is not trusted); devices (/dev/zero), pipes and sockets are
     refused before any read."""
     try:
-        return safe_io.read_text(path, MAX_FILE_BYTES, what="a spec")
+        return safe_io.read_text(path, MAX_FILE_BYTES, what=what)
     except safe_io.MissingFile:
         raise _err(loc, field, f"no such file: {safe_io.shown(_display(path))}") from None
     except safe_io.FileError as e:
@@ -409,6 +413,14 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), ext
     for i, text in enumerate(overrides, 1):
         _apply_override(data, locs, text, i)
     return _validate(data, locs, f"{_display(path)}:1:1")
+
+
+def read_yaml(path: str | Path, what: str = "a study") -> Any:
+    """The plain data of a YAML file that is not a spec (a study), read and parsed exactly as a spec is: the
+    bounded reader, the safe subset (no tags), the node budget and the nesting limit; None for an empty file.
+    A problem is a SpecError naming the file."""
+    path = Path(path)
+    return _parse_yaml(_read(path, f"{_display(path)}:1:1", (), what), _display(path), spec=False)[0]
 
 
 def load_spec_text(text: str, file: str = "<string>") -> Spec:
