@@ -107,7 +107,7 @@ def read_training_state(
 
 
 # Fields a checkpoint's weights do not depend on: serving may change them.
-_SERVING_FIELDS = {"name", "training", "quantization", "target", "parallel", "context_length"}
+SERVING_FIELDS = {"name", "training", "quantization", "target", "parallel", "context_length"}
 
 
 def _check_architecture(meta: dict, path: Path, spec: Spec) -> None:
@@ -117,10 +117,10 @@ def _check_architecture(meta: dict, path: Path, spec: Spec) -> None:
     if not isinstance(meta["spec"], dict):
         raise GenerateError(f"checkpoint {path} records a spec that is not an object")
     try:
-        trained = Spec.model_validate(meta["spec"]).model_dump(exclude=_SERVING_FIELDS)
+        trained = Spec.model_validate(meta["spec"]).model_dump(exclude=SERVING_FIELDS)
     except ValueError:
         raise GenerateError(f"checkpoint {path} records a spec that does not validate") from None
-    built = spec.model_dump(exclude=_SERVING_FIELDS)
+    built = spec.model_dump(exclude=SERVING_FIELDS)
     changed = sorted(k for k in built if built[k] != trained.get(k))
     if changed:
         raise GenerateError(
