@@ -347,7 +347,7 @@ def _cmd_generate(args) -> None:
     import time
 
     from k3compile.runtime.generate import (
-        GenerateError, build_spec, check_request, check_weights, encode, generate_tokens, load_build,
+        GenerateError, build_spec, check_request, check_runnable, check_weights, encode, generate_tokens, load_build,
         load_inference_model,
         stream_text,
     )
@@ -361,6 +361,7 @@ def _cmd_generate(args) -> None:
     layout = None
     try:
         module = load_build(args.build)
+        check_runnable(module, args.build)
         spec = build_spec(module)
         if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
             distributed.degrees(spec, args.nproc)  # the layout's error in one line, before any process starts

@@ -257,9 +257,14 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: Iterable[tuple[st
 
 def check_model(model: nn.Module, ckpt: Checkpoint) -> None:
     """Fail, naming every tensor that differs, unless the checkpoint has exactly the model's tensors and shapes."""
-    live = {k: tuple(v.shape) for k, v in model_tensors(model).items()}
+    tensors = model_tensors(model)
+    live = {k: tuple(v.shape) for k, v in tensors.items()}
     found = {k: tuple(v.shape) for k, v in ckpt.tensors.items() if k.startswith(_MODEL)}
     problem = mismatches(live, found)
+    retyped = [f"{k} {ckpt.tensors[k].dtype} vs {t.dtype}" for k, t in tensors.items()
+               if k in ckpt.tensors and ckpt.tensors[k].dtype != t.dtype]  # copying would cast them silently
+    if retyped and not problem:
+        problem = f"dtype (checkpoint vs model) {_list(retyped)}"
     if problem:
         spec = ckpt.meta.get("spec_name", "?")
         raise CheckpointError(f"{ckpt.path} (spec {spec!r}) does not match this model: {problem.replace(_MODEL, '')}")
@@ -290,8 +295,10 @@ def restore_optimizer(optimizer: PerHeadMuon, names: list[tuple[str, Tensor]], c
             unknown.append(name)
             continue
         want = optimizer.state_layout(params[name]).get(slot)
-        if want is None or tuple(value.shape) != want or not value.is_floating_point():
-            expected = "no such state" if want is None else f"expected a float tensor of shape {list(want)}"
+        retyped = bool(want) and value.dtype != params[name].dtype  # a moment or momentum: the parameter's dtype
+        if want is None or tuple(value.shape) != want or not value.is_floating_point() or retyped:
+            dtype = params[name].dtype if want else "float"
+            expected = "no such state" if want is None else f"expected a {dtype} tensor of shape {list(want)}"
             bad.append(f"{name}/{slot} {list(value.shape)} ({expected})")
             continue
         state.setdefault(params[name], {})[slot] = value.clone().to(params[name].device)

@@ -49,7 +49,7 @@ def check_runnable(module: ModuleType, build: str | Path | ModuleType) -> None:
     from k3compile.loader import BuildLoadError, check_target
 
     try:
-        check_target(module, getattr(build, "__name__", build))
+        check_target(module, Path(module.__file__).parent if isinstance(build, ModuleType) else build)
     except BuildLoadError as e:
         raise GenerateError(str(e)) from None
 
