@@ -10,7 +10,6 @@ import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -433,4 +432,43 @@ def test_the_shipped_study_still_resolves_through_the_typed_reader():
     from k3compile.ablation.study import load_study
 
     study = load_study(K3_TINY.parent / "studies" / "k3-tiny.yaml")
-    assert study.jobs == 2 and study.steps["base"] == 300 and sys.platform
+    assert study.jobs == 2 and study.steps["base"] == 300
+
+
+# ---------------------------------------------------------------- M1's variants: path arguments of every command
+
+LONG = "n" * 5000
+COMMANDS_WITH_PATHS = [
+    ["check", "{p}"], ["stats", "{p}"], ["plan", "{p}", "--gpus", "8", "--gpu", "h200"], ["diff", K3_TINY, "{p}"],
+    ["build", K3_TINY, "-o", "{p}"], ["generate", "{p}", "--prompt", "a"],
+    ["generate", "{build}", "--prompt", "a", "--checkpoint", "{p}"], ["train", "{p}", "--steps", "1"],
+    ["train", "{build}", "--steps", "1", "--data", "{p}", "--out", "{tmp}/r"],
+    ["train", "{build}", "--steps", "1", "--init-from", "{p}", "--out", "{tmp}/r"],
+    ["consolidate", "{p}", "-o", "{tmp}/o"], ["import-hf", "{p}", "-o", "{tmp}/o"],
+    ["export-hf", "{p}", "--checkpoint", "{tmp}", "-o", "{tmp}/o"], ["export", "{p}", "-o", "{tmp}/o"],
+    ["ablate", "{p}", "--steps", "1", "--out", "{tmp}/o"],
+]  # fmt: skip
+
+
+def _id(template: list) -> str:
+    return "-".join([template[0]] + [a for a in map(str, template) if a.startswith("--")][:1])
+
+
+def _argv(template: list, path: str, build: Path, tmp: Path) -> list[str]:
+    return [str(a).format(p=path, build=build, tmp=tmp) for a in template]
+
+
+@pytest.mark.parametrize("template", COMMANDS_WITH_PATHS, ids=_id)
+def test_a_path_argument_too_long_is_refused_and_clipped(cli, small_build, tmp_path, template):
+    """A 5,000-character path was an OSError traceback (File name too long) in most commands."""
+    err = _usage_error(cli(*_argv(template, LONG, small_build, tmp_path)), "is too long to be a path")
+    assert "(5,000 characters)" in err and len(err) < 300
+
+
+@needs_posix
+@pytest.mark.parametrize("template", COMMANDS_WITH_PATHS, ids=_id)
+def test_a_link_loop_as_a_path_argument_is_one_line(cli, small_build, tmp_path, monkeypatch, template):
+    """A symbolic-link loop was a RuntimeError traceback where a path was resolved."""
+    monkeypatch.chdir(tmp_path)
+    Path("loop").symlink_to("loop")
+    assert_one_line_error(cli(*_argv(template, "loop", small_build, tmp_path)), "loop")

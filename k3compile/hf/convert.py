@@ -17,6 +17,7 @@ when complete (written as a hidden sibling, then renamed).
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -66,7 +67,7 @@ class HFImport:
 
 def default_name(hf_dir: Path) -> str:
     """A spec name from the folder's name: 'Kimi-Linear-48B-A3B-Instruct' -> 'kimi-linear-48b-a3b-instruct'."""
-    name = re.sub(r"[^a-z0-9._-]+", "-", Path(hf_dir).resolve().name.lower()).lstrip("._-")[:64]
+    name = re.sub(r"[^a-z0-9._-]+", "-", Path(os.path.abspath(hf_dir)).name.lower()).lstrip("._-")[:64]
     return name or "kimi-linear"
 
 
