@@ -313,7 +313,7 @@ def test_variants_past_the_run_limit_are_refused_before_any_is_read(cli, tmp_pat
 @needs_posix
 @pytest.mark.parametrize("case, what", [
     ("loop", "symbolic-link loop"),
-    ("long-name", "File name too long"),
+    ("long-name", "is too long to be a path"),
     ("extends-nul", "extends must be a relative path"),
     ("extends-loop", "symbolic-link loop"),
     ("extends-long", "File name too long"),
@@ -330,7 +330,10 @@ def test_path_errors_while_loading_a_spec_are_one_line(cli, tmp_path, monkeypatc
         (tmp_path / "loop.yaml").symlink_to(tmp_path / "loop.yaml")
         spec.write_text(f'extends: "{target}"\nname: x\n')
     for command in ("check", "stats", "build"):
-        assert_one_line_error(cli(command, spec), what)
+        if case == "long-name":  # a path argument: refused by the parser, clipped
+            _usage_error(cli(command, spec), "is too long to be a path")
+        else:
+            assert_one_line_error(cli(command, spec), what)
 
 
 # ---------------------------------------------------------------- M4, M5: generate

@@ -297,8 +297,8 @@ def restore_optimizer(optimizer: PerHeadMuon, names: list[tuple[str, Tensor]], c
         want = optimizer.state_layout(params[name]).get(slot)
         retyped = bool(want) and value.dtype != params[name].dtype  # a moment or momentum: the parameter's dtype
         if want is None or tuple(value.shape) != want or not value.is_floating_point() or retyped:
-            dtype = params[name].dtype if want else "float"
-            expected = "no such state" if want is None else f"expected a {dtype} tensor of shape {list(want)}"
+            dtype = f" and dtype {params[name].dtype}" if want else ""
+            expected = "no such state" if want is None else f"expected a float tensor of shape {list(want)}{dtype}"
             bad.append(f"{name}/{slot} {list(value.shape)} ({expected})")
             continue
         state.setdefault(params[name], {})[slot] = value.clone().to(params[name].device)

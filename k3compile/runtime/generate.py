@@ -49,7 +49,10 @@ def check_runnable(module: ModuleType, build: str | Path | ModuleType) -> None:
     from k3compile.loader import BuildLoadError, check_target
 
     try:
-        check_target(module, Path(module.__file__).parent if isinstance(build, ModuleType) else build)
+        where = build
+        if isinstance(build, ModuleType):
+            where = Path(build.__file__).parent if getattr(build, "__file__", None) else build.__name__
+        check_target(module, where)
     except BuildLoadError as e:
         raise GenerateError(str(e)) from None
 
