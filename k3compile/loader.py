@@ -35,7 +35,10 @@ def find_build(path: Path) -> Path:
     """`path` itself when it is a build, else the one build inside it (hidden staging folders aside)."""
     if is_build_dir(path):
         return path
-    inside = sorted(path.iterdir()) if path.is_dir() else []
+    try:
+        inside = sorted(path.iterdir()) if path.is_dir() else []
+    except OSError as e:
+        raise BuildLoadError(f"cannot read {path}: {e.strerror or e}") from None
     builds = [p for p in inside if is_build_dir(p) and not p.name.startswith(".")]
     if len(builds) > 1:
         names = ", ".join(p.name for p in builds)
