@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import signal
 import sys
 
 from k3compile import __version__
+from k3compile.spec.schema import MAX_BATCH, MAX_CONTEXT  # sizes on the command line: the spec's bounds
 
 EXIT_BAD_INPUT = 2
 SEED_RANGE = (-(2**63), 2**64)  # what torch.Generator.manual_seed takes
@@ -29,7 +31,7 @@ def _add_extends_anywhere(p: argparse.ArgumentParser) -> None:
 
 
 def _add_spec_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> None:
-    p.add_argument("spec", help="path to a spec YAML file")
+    p.add_argument("spec", type=_path, help="path to a spec YAML file")
     _add_extends_anywhere(p)
     if overrides:
         p.add_argument(
@@ -42,14 +44,40 @@ def _add_spec_args(p: argparse.ArgumentParser, *, overrides: bool = True) -> Non
         )
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+def _shown(text: str) -> str:
+    """An argument in an error, clipped: a 5,000-digit number is not echoed whole."""
+    return repr(text) if len(text) <= 40 else repr(text[:20]) + f"... ({len(text):,} characters)"
+
+
+def _integer(text: str) -> int:
+    """An integer argument (at most 40 digits: every count k3compile takes is far smaller)."""
+    if not re.fullmatch(r"\s*[-+]?\d{1,40}\s*", text):
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not an integer")
+    return int(text)
+
+
+def _positive(text: str, limit: int | None = None) -> int:
+    value = _integer(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be at least 1")
+    if limit is not None and value > limit:
+        raise argparse.ArgumentTypeError(f"{value} is more than {limit:,}")
     return value
+
+
+def _at_most(limit: int):
+    """A positive integer of at most `limit`: sizes are bounded before any work proportional to them."""
+    return lambda text: _positive(text, limit)
+
+
+def _path(text: str) -> str:
+    """A path argument the system can take: no name over NAME_MAX bytes, at most PATH_MAX in all (else it would
+    fail deep inside a command, and be echoed whole)."""
+    name_max = os.pathconf("/", "PC_NAME_MAX") if hasattr(os, "pathconf") else 255
+    raw = os.fsencode(text)
+    if len(raw) >= 4096 or any(len(part) > name_max for part in raw.split(os.fsencode(os.sep))):
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is too long to be a path")
+    return text
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
@@ -57,10 +85,10 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "m
 
 def _size(text: str) -> int:
     """A byte count such as 5GB, 200MB, 64KiB or 1000000 (Hugging Face's decimal units)."""
-    m = re.fullmatch(r"\s*(\d+)\s*([A-Za-z]*)\s*", text)
+    m = re.fullmatch(r"\s*(\d{1,20})\s*([A-Za-z]*)\s*", text)
     unit = m and m.group(2).lower()
     if m is None or unit not in _UNITS or int(m.group(1)) < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a size such as 5GB, 200MB or 1000000")
+        raise argparse.ArgumentTypeError(f"{_shown(text)} is not a size such as 5GB, 200MB or 1000000")
     return int(m.group(1)) * _UNITS[unit]
 
 
@@ -83,8 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_spec_args(p)
     p.add_argument("--json", action="store_true", help="print one JSON document instead of tables")
-    p.add_argument("--context", type=_positive, default=None, help="context length N (default: the spec's)")
-    p.add_argument("--batch", type=_positive, default=1, help="decode batch B for cache bytes (default 1)")
+    p.add_argument("--context", type=_at_most(MAX_CONTEXT), default=None, help="context length N (default: the spec's)")
+    p.add_argument("--batch", type=_at_most(MAX_BATCH), default=1, help="decode batch B for cache bytes (default 1)")
 
     p = sub.add_parser(
         "plan",
@@ -127,10 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compare two specs: the fields that differ, then every derived number (parameters, FLOPs, "
         "bytes) side by side with the change.",
     )
-    p.add_argument("a", help="first spec")
-    p.add_argument("b", help="second spec")
+    p.add_argument("a", type=_path, help="first spec")
+    p.add_argument("b", type=_path, help="second spec")
     _add_extends_anywhere(p)
-    p.add_argument("--context", type=_positive, default=None, help="context length for derived numbers")
+    p.add_argument("--context", type=_at_most(MAX_CONTEXT), default=None, help="context length for derived numbers")
     p.add_argument("--json", action="store_true", help="print one JSON document")
 
     p = sub.add_parser(
@@ -143,7 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
         "meta parameters (shapes only). The build is atomic and only replaces a previous build.",
     )
     _add_spec_args(p)
-    p.add_argument("-o", "--out", default="build", help="output directory (default: build)")
+    p.add_argument("-o", "--out", type=_path, default="build", help="output directory (default: build)")
     p.add_argument("--target", choices=("cpu", "a100", "h100", "h200", "b200"), help="kernel target (default: the spec's)")
     p.add_argument("--mode", choices=("train", "infer", "both"), default="both",
                    help="train: Model (QAT per the policy); infer: InferenceModel (MX-packed weights); both (default)")
@@ -168,14 +196,14 @@ def build_parser() -> argparse.ArgumentParser:
         "recurrent and short-conv state and the MLA latent cache, writing text to stdout as it comes. Takes a "
         "training checkpoint (packed into the inference weights); without one, the seeded initial weights.",
     )
-    p.add_argument("build", help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
-    p.add_argument("--checkpoint", help="a training checkpoint or a weights folder such as import-hf's output "
+    p.add_argument("build", type=_path, help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
+    p.add_argument("--checkpoint", type=_path, help="a training checkpoint or a weights folder such as import-hf's output "
                    "(default: the build's seeded initial weights)")
     p.add_argument("--prompt", required=True, help="the prompt text (encoded as UTF-8 bytes)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens (bytes) to generate (default 128)")
+    p.add_argument("--max-new-tokens", type=_integer, default=128, help="tokens (bytes) to generate (default 128)")
     p.add_argument("--temperature", type=float, default=0.8, help="0 for greedy (default 0.8)")
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass in (0, 1] (default 0.95)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=_integer, default=0, help="sampling seed (default 0)")
     p.add_argument("--nproc", type=_positive, default=1, metavar="N",
                    help="serve from N local processes (torch.distributed.run) splitting the routed experts over the "
                    "build's parallel.ep ranks; every rank decodes the same tokens, rank 0 writes them "
@@ -189,18 +217,18 @@ def build_parser() -> argparse.ArgumentParser:
         "gradient clipping and load balancing. Writes OUT/metrics.jsonl and OUT/checkpoints/; --resume continues "
         "exactly where a run stopped.",
     )
-    p.add_argument("spec", metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
+    p.add_argument("spec", type=_path, metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
     _add_extends_anywhere(p)
-    p.add_argument("--steps", type=int, required=True, help="optimizer steps in total (the schedule's length)")
-    p.add_argument("--data", help="a text file or a folder of text files (default: the Python stdlib's sources)")
-    p.add_argument("--out", help="run folder (default: runs/<spec name>)")
+    p.add_argument("--steps", type=_integer, required=True, help="optimizer steps in total (the schedule's length)")
+    p.add_argument("--data", type=_path, help="a text file or a folder of text files (default: the Python stdlib's sources)")
+    p.add_argument("--out", type=_path, help="run folder (default: runs/<spec name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="override a spec field (repeatable; only training.* for a build), e.g. --set training.lr=0.01")
-    p.add_argument("--eval-every", type=int, metavar="K", help="validate and checkpoint every K steps (default: steps // 6)")
-    p.add_argument("--stop-after", type=int, metavar="N",
+    p.add_argument("--eval-every", type=_integer, metavar="K", help="validate and checkpoint every K steps (default: steps // 6)")
+    p.add_argument("--stop-after", type=_integer, metavar="N",
                    help="stop (with a checkpoint) after N steps of this invocation; --resume continues the schedule")
-    p.add_argument("--init-from", metavar="WEIGHTS",
+    p.add_argument("--init-from", type=_path, metavar="WEIGHTS",
                    help="start from these weights instead of the seeded init: a weights folder (import-hf's output) "
                    "or a checkpoint")
     p.add_argument("--nproc", type=_positive, default=1, metavar="N",
@@ -215,9 +243,9 @@ def build_parser() -> argparse.ArgumentParser:
         "ep layout) into one process holding every expert, and write its weights and buffers as a single-file "
         "safetensors checkpoint OUT/step-NNNNNN.{safetensors,json} for `generate --checkpoint` and `--init-from`.",
     )
-    p.add_argument("checkpoint", help="a run folder (its newest checkpoint) or a checkpoints/step-NNNNNN.dcp folder")
-    p.add_argument("-o", "--out", required=True, help="output folder (absent or empty)")
-    p.add_argument("--build", help="the run's build folder (default: RUN/build/<package>)")
+    p.add_argument("checkpoint", type=_path, help="a run folder (its newest checkpoint) or a checkpoints/step-NNNNNN.dcp folder")
+    p.add_argument("-o", "--out", type=_path, required=True, help="output folder (absent or empty)")
+    p.add_argument("--build", type=_path, help="the run's build folder (default: RUN/build/<package>)")
 
     p = sub.add_parser(
         "import-hf",
@@ -227,8 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
         "OUT/weights.safetensors (sharded with an index past --max-shard-size) under the build's names, streaming "
         "shard by shard. Everything is checked before anything is written; OUT appears only when complete.",
     )
-    p.add_argument("hf_dir", metavar="HF_DIR", help="a folder with config.json and model.safetensors[.index.json]")
-    p.add_argument("-o", "--out", required=True, help="output folder (absent or empty)")
+    p.add_argument("hf_dir", type=_path, metavar="HF_DIR", help="a folder with config.json and model.safetensors[.index.json]")
+    p.add_argument("-o", "--out", type=_path, required=True, help="output folder (absent or empty)")
     p.add_argument("--name", help="spec name (default: HF_DIR's folder name, lower case)")
     p.add_argument("--mode", choices=("train", "infer", "both"), default="both",
                    help="the build (default both); weights are named for the Model, or for the InferenceModel "
@@ -246,9 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
         "sharded with model.safetensors.index.json past --max-shard-size), which transformers' "
         "KimiLinearForCausalLM.from_pretrained loads. A spec feature Kimi Linear lacks is an error naming it.",
     )
-    p.add_argument("build", help="a build folder with a training Model")
-    p.add_argument("--checkpoint", required=True, help="a training checkpoint or a weights folder (import-hf's output)")
-    p.add_argument("-o", "--out", required=True, help="output folder (absent or empty)")
+    p.add_argument("build", type=_path, help="a build folder with a training Model")
+    p.add_argument("--checkpoint", type=_path, required=True, help="a training checkpoint or a weights folder (import-hf's output)")
+    p.add_argument("-o", "--out", type=_path, required=True, help="output folder (absent or empty)")
     p.add_argument("--max-shard-size", type=_size, default=None, metavar="SIZE",
                    help="largest shard, e.g. 5GB (default), 200MB")
     _add_export_parser(sub)
@@ -350,13 +378,10 @@ def _cmd_generate(args) -> None:
     import time
 
     from k3compile.runtime.generate import (
-        GenerateError, build_spec, check_request, check_weights, encode, generate_tokens, load_build,
+        GenerateError, build_spec, check_request, check_runnable, check_weights, encode, generate_tokens, load_build,
         load_inference_model,
         stream_text,
     )
-
-    import os
-
     from k3compile.runtime import distributed
 
     if not SEED_RANGE[0] <= args.seed < SEED_RANGE[1]:
@@ -364,6 +389,7 @@ def _cmd_generate(args) -> None:
     layout = None
     try:
         module = load_build(args.build)
+        check_runnable(module, args.build)
         spec = build_spec(module)
         if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
             distributed.degrees(spec, args.nproc)  # the layout's error in one line, before any process starts
@@ -425,7 +451,6 @@ def _launch_train(args) -> None:
 
 def _launch(args) -> None:
     """Start `args.nproc` local processes of this command with torch.distributed.run; exit with its code."""
-    import os
     import subprocess
 
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={args.nproc}",
@@ -442,8 +467,6 @@ def _cmd_train(args) -> None:
     from k3compile.runtime.checkpoint import CheckpointError
     from k3compile.runtime.data import DataError
     from k3compile.runtime.train import TrainError, train
-
-    import os
 
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_train(args)
@@ -510,8 +533,8 @@ def _add_export_parser(sub) -> None:
         "spec hash, compiler, graph and target are in metadata_props. Each distinct layer kind is one function "
         "too (domain k3.layer: prefill_kda, decode_moe, ...), called once per layer.",
     )
-    p.add_argument("build", help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
-    p.add_argument("-o", "--out", required=True, metavar="OUT_DIR", help="folder for <graph>.onnx (created if missing)")
+    p.add_argument("build", type=_path, help="a build folder (k3compile build ... -o DIR writes DIR/<name>/), or DIR")
+    p.add_argument("-o", "--out", type=_path, required=True, metavar="OUT_DIR", help="folder for <graph>.onnx (created if missing)")
     p.add_argument("--graph", default="infer", metavar="GRAPH",
                    help=f"{' | '.join(GRAPHS)} | all: infer (tokens -> logits), prefill (tokens and zeroed caches -> "
                    "logits and caches), decode (tokens [batch, 1], positions and caches -> logits and caches); all: "
@@ -522,7 +545,7 @@ def _add_export_parser(sub) -> None:
                    "none for a meta-device (shapes only) build")
     p.add_argument("--mx", default="fp4", metavar="FP4|UINT8",
                    help="fp4 (FLOAT4E2M1 + E8M0 scales through DequantizeLinear, opset >= 24; default) or uint8")
-    p.add_argument("--opset", type=int, default=DEFAULT_OPSET, metavar="N", help=f"ONNX opset (default {DEFAULT_OPSET})")
+    p.add_argument("--opset", type=_integer, default=DEFAULT_OPSET, metavar="N", help=f"ONNX opset (default {DEFAULT_OPSET})")
     p.add_argument("--check", action="store_true",
                    help="run onnx.checker (full), strict shape inference and a numerical comparison with PyTorch "
                    "on random tokens; print the k3 functions used and the largest relative error")
@@ -586,23 +609,23 @@ def _add_ablate_parser(sub) -> None:
         "one resumes from its checkpoint. BASE may instead be a STUDY.yaml naming base, variants, grid, steps or "
         "tokens, seeds, tasks, mqar, data, set, eval_every, jobs and out; options given here override it.",
     )
-    p.add_argument("base", metavar="BASE_OR_STUDY", help="the base spec YAML, or a study YAML")
-    p.add_argument("variants", nargs="*", metavar="VARIANT", help="variant spec files (usually `extends:` the base)")
+    p.add_argument("base", type=_path, metavar="BASE_OR_STUDY", help="the base spec YAML, or a study YAML")
+    p.add_argument("variants", type=_path, nargs="*", metavar="VARIANT", help="variant spec files (usually `extends:` the base)")
     p.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                    help="one variant per value of a spec field (repeatable: the cartesian product), e.g. moe.top_k=2,4,8")
     budget = p.add_mutually_exclusive_group()
-    budget.add_argument("--steps", type=int, help="optimizer steps per run")
-    budget.add_argument("--tokens", type=int, help="training tokens per run (steps = tokens / (batch x seq_len))")
+    budget.add_argument("--steps", type=_integer, help="optimizer steps per run")
+    budget.add_argument("--tokens", type=_integer, help="training tokens per run (steps = tokens / (batch x seq_len))")
     p.add_argument("--seeds", help="comma list of seeds, e.g. 0,1,2 (default 0): init and data order per seed")
     p.add_argument("--tasks", help="comma list of lm, mqar (default both)")
     p.add_argument("--mqar", action="append", default=[], metavar="KEY=N",
                    help="MQAR difficulty: num_kv_pairs, seq_len, num_queries, vocab (repeatable), e.g. num_kv_pairs=8")
-    p.add_argument("--data", help="LM text file or folder (default: the Python stdlib's sources)")
+    p.add_argument("--data", type=_path, help="LM text file or folder (default: the Python stdlib's sources)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
                    help="override a field of every variant (repeatable), e.g. --set num_layers=4")
-    p.add_argument("--eval-every", type=int, metavar="K", help="evaluate and checkpoint every K steps (default: steps // 6)")
-    p.add_argument("--jobs", type=int, help="runs in parallel, each with its share of the CPU threads (default 1)")
-    p.add_argument("--out", help="study folder (created; a rerun into it continues the same study)")
+    p.add_argument("--eval-every", type=_integer, metavar="K", help="evaluate and checkpoint every K steps (default: steps // 6)")
+    p.add_argument("--jobs", type=_integer, help="runs in parallel, each with its share of the CPU threads (default 1)")
+    p.add_argument("--out", type=_path, help="study folder (created; a rerun into it continues the same study)")
 
 
 def _cmd_ablate(args) -> None:
@@ -616,12 +639,14 @@ def _cmd_ablate(args) -> None:
         try:
             return tuple(int(x) for x in text.split(","))
         except ValueError:
-            raise UsageError(f"--{what}: expected a comma list of integers, got {text!r}") from None
+            raise UsageError(f"--{what}: expected a comma list of integers, got {_shown(text)}") from None
 
     mqar = {}
     for item in args.mqar:
-        key, _, value = item.partition("=")
-        mqar[key.strip()] = ints(value, "mqar")[0] if value else None
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise UsageError(f"--mqar: expected KEY=N, got {_shown(item)}")
+        mqar[key.strip()] = ints(value, "mqar")[0]
     try:
         ablate(args.base, args.variants, args.grid, steps=args.steps, tokens=args.tokens,
                seeds=ints(args.seeds, "seeds") if args.seeds else None,
@@ -630,8 +655,6 @@ def _cmd_ablate(args) -> None:
                progress=True)
     except (AblateError, TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch) as e:
         raise UsageError(str(e)) from None
-    except TypeError as e:  # an unknown --mqar key
-        raise UsageError(f"--mqar: {e}") from None
 
 
 COMMANDS = {

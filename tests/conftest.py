@@ -151,3 +151,71 @@ def kimi_linear_spec():
     from k3compile.spec.load import load_spec
 
     return load_spec(KIMI_LINEAR)
+
+
+# ---------------------------------------------------------------- hostile input (docs/security.md)
+
+
+def assert_one_line_error(result: tuple[int, str, str], *names: str) -> str:
+    """A `cli` result that is exit code 2 and one `error: ...` line naming each of `names`, no traceback."""
+    rc, out, err = result
+    assert rc == 2 and "Traceback" not in err, (rc, out, err[-2000:])
+    assert err.startswith("error: ") and err.count("\n") == 1, err[-2000:]
+    for name in names:
+        assert str(name) in err, (name, err)
+    return err
+
+
+@pytest.fixture
+def bounded():
+    """While the test runs: a hang (a FIFO opened for reading) fails it after 60 s, and memory past what the
+    process holds plus 4 GiB (/dev/zero read whole) is a MemoryError, not a machine brought down."""
+    import resource
+    import signal
+
+    if not hasattr(signal, "SIGALRM") or not Path("/proc/self/status").exists():
+        yield
+        return
+
+    def hung(signum, frame):
+        pytest.fail("hung: a read that never ends (a FIFO or device)")
+
+    held = next(int(line.split()[1]) * 1024 for line in Path("/proc/self/status").read_text().splitlines()
+                if line.startswith("VmSize:"))  # fmt: skip
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = held + (4 << 30)
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY else min(cap, hard), hard))
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(60)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+# k3-tiny shrunk so that building it takes seconds and a training step milliseconds
+SMALL = ("num_layers=4", "hidden_size=64", "moe.latent_size=32", "kda.num_heads=2", "kda.head_dim=32",
+         "mla.num_heads=2", "dense_ffn.intermediate_size=64", "training.seq_len=32", "training.batch_size=2",
+         "training.optimizer=adamw")  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def small_build(tmp_path_factory) -> Path:
+    """The build (train and infer graphs, CPU) of k3-tiny with SMALL, made once per test process."""
+    from k3compile.build import build
+    from k3compile.spec.load import load_spec
+
+    dest, _ = build(load_spec(K3_TINY, list(SMALL)), tmp_path_factory.mktemp("small") / "build")
+    return dest
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory) -> Path:
+    """40 kB of the default corpus (the standard library's sources) as one text file."""
+    from k3compile.runtime.data import load_corpus
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_bytes(load_corpus(None, max_bytes=40_000).data)
+    return path

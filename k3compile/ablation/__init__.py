@@ -7,11 +7,12 @@ Results: OUT/results.json, OUT/results.md, OUT/loss.png, OUT/mqar.png (see docs/
 
 from __future__ import annotations
 
-import json
+import os
 import re
 import shutil
 from pathlib import Path
 
+from k3compile import safe_io
 from k3compile.ablation.study import AblateError, RunKey, Study, load_study, resolve_study
 
 __all__ = ["AblateError", "ablate", "load_study", "resolve_study", "run_study"]
@@ -29,11 +30,11 @@ def _prepare(study: Study) -> Path | None:
     marker = out / MARKER
     if out.exists() and not out.is_dir():
         raise AblateError(f"output {out} exists and is not a folder")
-    if marker.exists():
+    if os.path.lexists(marker):
         try:
-            held = json.loads(marker.read_text(encoding="utf-8"))
-        except (OSError, ValueError):
-            raise AblateError(f"{marker} is unreadable; choose another --out") from None
+            held = safe_io.read_json(marker, follow=False)
+        except safe_io.FileError as e:
+            raise AblateError(f"{e}; choose another --out") from None
         if held != study.fingerprint():
             raise AblateError(f"{out} holds another study (other variants, budget, seeds, tasks or data); "
                               "choose another --out")
@@ -55,6 +56,17 @@ def _prepare(study: Study) -> Path | None:
 
 def _run_dir(study: Study, key: RunKey) -> Path:
     return study.out / "runs" / _slug(key.variant) / f"{key.task}-seed{key.seed}"
+
+
+def _result(study: Study, key: RunKey) -> dict:
+    """A finished run's result.json (written by the study: a regular file, never a link)."""
+    try:
+        result = safe_io.read_json(_run_dir(study, key) / "result.json", follow=False)
+    except safe_io.FileError as e:
+        raise AblateError(f"{e}; choose another --out") from None
+    if not isinstance(result, dict):
+        raise AblateError(f"{_run_dir(study, key) / 'result.json'} is not a run's result; choose another --out")
+    return result
 
 
 def _worker(args) -> dict | None:
@@ -93,9 +105,17 @@ def run_study(study: Study, progress: bool = True) -> dict:
 
     created = _prepare(study)
     keys = study.runs()
-    done = {k.id: json.loads((_run_dir(study, k) / "result.json").read_text()) for k in keys
-            if (_run_dir(study, k) / "result.json").exists()}
+    done = {k.id: _result(study, k) for k in keys if os.path.lexists(_run_dir(study, k) / "result.json")}
     todo = [k for k in keys if k.id not in done]
+    try:  # the study's own folders, each checked down from OUT: a link planted there is refused
+        for k in todo:
+            safe_io.make_dir(_run_dir(study, k), inside=study.out)
+        for v in study.variants:
+            safe_io.make_dir(study.out / "builds" / _slug(v.name), inside=study.out)
+    except safe_io.FileError as e:
+        raise AblateError(str(e)) from None
+    except OSError as e:
+        raise AblateError(f"cannot write to output folder {study.out}: {e.strerror or e}") from None
     with display(progress, study, keys, done) as show:
         try:
             packages = {}
@@ -125,7 +145,7 @@ def run_study(study: Study, progress: bool = True) -> dict:
             done.update(_parallel(study, todo, show))
     doc = res.collect(study, done)
     write_json(study.out / "results.json", doc)
-    (study.out / "results.md").write_text(res.markdown(doc), encoding="utf-8")
+    safe_io.write_text(study.out / "results.md", res.markdown(doc))
     res.plots(doc, study.out)
     if progress:
         show.table(doc)
@@ -176,17 +196,19 @@ def ablate(
                            tasks=tasks, mqar=mqar, data=data, overrides=tuple(overrides), eval_every=eval_every,
                            jobs=jobs, out=out)
     else:
-        study = resolve_study(base, variants, grid, steps, tokens, seeds or (0,), tasks or ("lm", "mqar"), mqar, data,
-                              overrides, eval_every, jobs or 1, out)
+        study = resolve_study(base, variants, grid, steps, tokens, (0,) if seeds is None else seeds,
+                              tasks or ("lm", "mqar"), mqar, data, overrides, eval_every, 1 if jobs is None else jobs,
+                              out)  # fmt: skip
     return run_study(study, progress)
 
 
 def _is_study_file(path) -> bool:
-    """A study file is a YAML mapping with a top-level `base:` (a spec never has one)."""
-    import yaml
+    """A study file is a YAML mapping with a top-level `base:` (a spec never has one), or an empty file. The file
+    is read as a spec is (k3compile.spec.load.read_yaml): one that cannot be read is an AblateError here."""
+    from k3compile.spec.load import SpecError, read_yaml
 
     try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError):
-        return False
+        data = read_yaml(path)
+    except SpecError as e:
+        raise AblateError(e.lines[0]) from None
     return isinstance(data, dict) and "base" in data or not data

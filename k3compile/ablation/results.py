@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import statistics
 from pathlib import Path
 
+from k3compile import safe_io
 from k3compile.ablation.study import Study
 from k3compile.analysis.flops import forward_flops_per_token
 from k3compile.analysis.stats import spec_stats
@@ -109,6 +111,13 @@ def markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _save(fig, path: Path) -> None:
+    """The figure as PNG through safe_io.write_atomic (matplotlib's own open would follow a link there)."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=110)
+    safe_io.write_atomic(path, buffer.getbuffer())
+
+
 def plots(doc: dict, out: Path) -> list[Path]:
     """loss.png (validation loss against steps and against training FLOPs) and mqar.png (accuracy against steps)."""
     import matplotlib
@@ -128,7 +137,7 @@ def plots(doc: dict, out: Path) -> list[Path]:
         by_flops.set(xlabel="training FLOPs (3 x forward, at the trained length)", xscale="log", title="validation loss against FLOPs")
         by_step.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "loss.png", dpi=110)
+        _save(fig, out / "loss.png")
         plt.close(fig)
         written.append(out / "loss.png")
     if "mqar" in doc["tasks"]:
@@ -141,7 +150,7 @@ def plots(doc: dict, out: Path) -> list[Path]:
                f"length {doc['mqar']['seq_len']}, vocab {doc['mqar']['vocab']}")
         ax.legend(fontsize=7)
         fig.tight_layout()
-        fig.savefig(out / "mqar.png", dpi=110)
+        _save(fig, out / "mqar.png")
         plt.close(fig)
         written.append(out / "mqar.png")
     return written

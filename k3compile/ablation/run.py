@@ -8,13 +8,13 @@ weights, optimizer, data generator and RNG, so its numbers are those of an unint
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+from k3compile import safe_io
 from k3compile.ablation.mqar import MQAR, MQARBatches, accuracy, held_out
 from k3compile.ablation.study import RunKey, Variant
 from k3compile.runtime import checkpoint as ckpt
@@ -31,13 +31,8 @@ MQAR_HELD_OUT = 256  # held-out sequences per evaluation
 
 
 def write_json(path: Path, obj) -> None:
-    """Write JSON through a hidden temporary file, fsynced and renamed: a reader sees all of it or nothing."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(obj, f, indent=2)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    """Write JSON through safe_io.write_atomic: a reader sees all of it or nothing, a link there is replaced."""
+    safe_io.write_text(path, json.dumps(obj, indent=2))
 
 
 def mqar_run(spec, package, task: MQAR, out: Path) -> Run:
@@ -67,7 +62,7 @@ def run_one(
     checkpoint (returns None then).
     """
     spec = load_spec(variant.path, list(variant.run_spec(key.task, key.seed, task)))
-    out.mkdir(parents=True, exist_ok=True)
+    safe_io.make_dir(out)
     if key.task == "lm":
         corpus = load_corpus(data)
         train_tokens, val_tokens = split(corpus.data, spec.training.seq_len)

@@ -14,10 +14,12 @@ import os
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Annotated
 
-import yaml
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr, ValidationError
 
 from k3compile.ablation.mqar import MQAR
+from k3compile.safe_io import shown
 from k3compile.spec.schema import Spec
 
 TASKS = ("lm", "mqar")
@@ -99,16 +101,37 @@ def _load(path: Path, overrides: tuple[str, ...]) -> Spec:
         raise AblateError(f"variant {path}: {e}") from None
 
 
-def _grid_points(grid: list[str]) -> list[list[tuple[str, str]]]:
-    """'a.b=1,2' entries -> the cartesian product of (key, value) settings."""
+def _grid_axes(grid: list[str]) -> list[list[tuple[str, str]]]:
+    """'a.b=1,2' entries -> per entry its (key, value) settings; the points are their cartesian product."""
     axes = []
     for entry in grid:
+        if not isinstance(entry, str):
+            raise AblateError(f"--grid {shown(entry, 60, quote=True)}: expected KEY=V1,V2,... (e.g. moe.top_k=2,4,8)")
         key, sep, values = entry.partition("=")
         key = key.strip()
         if not sep or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", key) or not values:
-            raise AblateError(f"--grid {entry!r}: expected KEY=V1,V2,... (e.g. moe.top_k=2,4,8)")
+            raise AblateError(f"--grid {shown(entry, 60, quote=True)}: expected KEY=V1,V2,... (e.g. moe.top_k=2,4,8)")
         axes.append([(key, v.strip()) for v in values.split(",")])
-    return [list(p) for p in itertools.product(*axes)] if axes else []
+    return axes
+
+
+def _check_int(value, what: str, where: str) -> None:
+    if type(value) is not int or value < 1:
+        raise AblateError(f"{where}{what} must be an integer of at least 1, got {shown(value, 40, quote=True)}")
+
+
+def _mqar(mqar, where: str) -> MQAR:
+    """The MQAR task of a study's `mqar` mapping (or an MQAR): known keys, integer values."""
+    if isinstance(mqar, MQAR):
+        return mqar
+    if not isinstance(mqar, dict | None):
+        raise AblateError(f"{where}mqar must map {', '.join(MQAR.__dataclass_fields__)} to integers")
+    for key, value in (mqar or {}).items():
+        if key not in MQAR.__dataclass_fields__:
+            raise AblateError(f"{where}unknown mqar key {shown(key, 40, quote=True)}; known: "
+                              f"{', '.join(MQAR.__dataclass_fields__)}")
+        _check_int(value, f"mqar.{key}", where)
+    return MQAR(**(mqar or {}))
 
 
 def _check_grid_key(base: Variant, key: str) -> None:
@@ -143,29 +166,36 @@ def resolve_study(
     if steps is None and tokens is None:
         raise AblateError(f"{where}give a budget: steps or tokens")
     budget = {"steps": steps} if steps is not None else {"tokens": tokens}
-    if (steps if steps is not None else tokens) < 1:
-        raise AblateError(f"{where}the budget must be at least 1, got {budget}")
+    _check_int(steps if steps is not None else tokens, "the budget" if steps is None else "steps", where)
     tasks = tuple(tasks)
     if not tasks or any(t not in TASKS for t in tasks) or len(set(tasks)) != len(tasks):
-        raise AblateError(f"{where}tasks must be a comma list of {', '.join(TASKS)}, got {','.join(tasks) or 'none'}")
+        shown_tasks = ",".join(map(str, tasks)) or "none"
+        raise AblateError(f"{where}tasks must be a comma list of {', '.join(TASKS)}, got {shown(shown_tasks, 60)}")
     seeds = tuple(seeds)
     if not seeds or any(type(s) is not int or s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise AblateError(f"{where}seeds must be distinct non-negative integers, got {list(seeds)}")
-    if jobs < 1:
-        raise AblateError(f"{where}jobs must be at least 1, got {jobs}")
-    if eval_every is not None and eval_every < 1:
-        raise AblateError(f"{where}eval_every must be at least 1, got {eval_every}")
-    task = mqar if isinstance(mqar, MQAR) else MQAR(**(mqar or {}))
+        raise AblateError(f"{where}seeds must be distinct non-negative integers, got {shown(list(seeds), 60)}")
+    _check_int(jobs, "jobs", where)
+    if eval_every is not None:
+        _check_int(eval_every, "eval_every", where)
+    task = _mqar(mqar, where)
     if "mqar" in tasks and (why := task.check()):
         raise AblateError(f"{where}{why}")
     if out is None:
         raise AblateError(f"{where}give an output folder (--out DIR)")
-    base_path, overrides = Path(base), tuple(overrides)
+    variants, overrides = list(variants), tuple(overrides)
+    for value in (base, *variants, *overrides, data, out):
+        if value is not None and (not isinstance(value, str | os.PathLike) or "\0" in str(value)):
+            raise AblateError(f"{where}{shown(value, 60, quote=True)} is not a path or an override")
+    axes = _grid_axes(list(grid))  # the number of runs is bounded before any point is made or any spec read
+    runs = (1 + len(variants) + (math.prod(map(len, axes)) if axes else 0)) * len(tasks) * len(seeds)
+    if runs > MAX_RUNS:
+        raise AblateError(f"{where}{runs:,} runs is more than {MAX_RUNS:,}")
+    base_path = Path(base)
     taken: set[str] = set()
     arms = [Variant(_unique_name("base", taken), base_path, overrides, _load(base_path, overrides))]
     for path in map(Path, variants):
         arms.append(Variant(_unique_name(path.stem, taken), path, overrides, _load(path, overrides)))
-    for point in _grid_points(list(grid)):
+    for point in (list(p) for p in itertools.product(*axes)) if axes else ():
         for key, _ in point:
             _check_grid_key(arms[0], key)
         sets = tuple(f"{k}={v}" for k, v in point)
@@ -180,21 +210,21 @@ def resolve_study(
     per_step = {v.name: v.spec.training.batch_size * v.spec.training.seq_len for v in arms}
     steps_of = {n: steps if steps is not None else max(1, math.ceil(tokens / t)) for n, t in per_step.items()}
     every = eval_every or max(1, min(steps_of.values()) // 6)
-    study = Study(arms, steps_of, seeds, tasks, task, data, every, jobs, Path(out), budget)
-    if len(study.runs()) > MAX_RUNS:
-        raise AblateError(f"{where}{len(study.runs())} runs is more than {MAX_RUNS}")
-    return study
+    return Study(arms, steps_of, seeds, tasks, task, data, every, jobs, Path(out), budget)
 
 
 def load_study(path: str | Path, **cli) -> Study:
-    """A STUDY.yaml (paths relative to it); `cli` options given on the command line take precedence."""
+    """A STUDY.yaml (paths relative to it); `cli` options given on the command line take precedence.
+
+    The file is read as a spec is (bounded, plain YAML, the node budget) and every key is type-checked.
+    """
+    from k3compile.spec.load import SpecError, read_yaml
+
     path = Path(path)
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    except OSError as e:
-        raise AblateError(f"cannot read study {path}: {e.strerror or e}") from None
-    except yaml.YAMLError as e:
-        raise AblateError(f"{path}: not valid YAML: {str(e).splitlines()[0]}") from None
+        data = read_yaml(path)
+    except SpecError as e:
+        raise AblateError(e.lines[0]) from None
     if not data:
         raise AblateError(f"{path}: empty study (give base, variants or grid, and steps or tokens)")
     if not isinstance(data, dict):
@@ -204,37 +234,26 @@ def load_study(path: str | Path, **cli) -> Study:
         raise AblateError(f"{path}: unknown study key {unknown[0]!r}; known: {', '.join(sorted(STUDY_KEYS))}")
     if "base" not in data:
         raise AblateError(f"{path}: the study names no base spec")
+    try:
+        doc = _StudyFile.model_validate(data)
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        field = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "union[")))
+        raise AblateError(f"{path}: {field}: {err['msg']}") from None
     here = path.parent
 
-    def rel(name) -> Path:
-        return Path(os.path.normpath(here / str(name)))
+    def rel(name: str) -> Path:
+        return Path(os.path.normpath(here / name))
 
-    def listed(key: str) -> list:
-        value = data.get(key) or []
-        if not isinstance(value, list):
-            raise AblateError(f"{path}: {key} must be a list")
-        return value
-
-    grid = data.get("grid") or {}
-    if not isinstance(grid, dict):
-        raise AblateError(f"{path}: grid must map spec keys to lists of values")
     merged = {
-        "base": rel(data["base"]),
-        "variants": [rel(v) for v in listed("variants")],
+        "base": rel(doc.base),
+        "variants": [rel(v) for v in doc.variants or []],
         "grid": [f"{k}={','.join(str(x).lower() if isinstance(x, bool) else str(x) for x in (v if isinstance(v, list) else [v]))}"
-                 for k, v in grid.items()],
-        "steps": data.get("steps"), "tokens": data.get("tokens"),
-        "seeds": tuple(listed("seeds") or [0]), "tasks": tuple(listed("tasks") or TASKS),
-        "mqar": data.get("mqar"), "data": str(rel(data["data"])) if data.get("data") else None,
-        "overrides": tuple(str(s) for s in listed("set")), "eval_every": data.get("eval_every"),
-        "jobs": data.get("jobs", 1), "out": rel(data["out"]) if data.get("out") else None,
+                 for k, v in (doc.grid or {}).items()],
+        "steps": doc.steps, "tokens": doc.tokens, "seeds": tuple(doc.seeds or [0]), "tasks": tuple(doc.tasks or TASKS),
+        "mqar": doc.mqar, "data": str(rel(doc.data)) if doc.data else None, "overrides": tuple(doc.set or []),
+        "eval_every": doc.eval_every, "jobs": doc.jobs, "out": rel(doc.out) if doc.out else None,
     }  # fmt: skip
-    if merged["mqar"] is not None and not isinstance(merged["mqar"], dict):
-        raise AblateError(f"{path}: mqar must map num_kv_pairs, seq_len, num_queries, vocab to integers")
-    if merged["mqar"]:
-        bad = sorted(set(merged["mqar"]) - set(MQAR.__dataclass_fields__))
-        if bad:
-            raise AblateError(f"{path}: unknown mqar key {bad[0]!r}; known: {', '.join(MQAR.__dataclass_fields__)}")
     for key, value in cli.items():
         if value is not None and value != () and value != []:
             merged[key] = value
@@ -243,6 +262,30 @@ def load_study(path: str | Path, **cli) -> Study:
     if cli.get("tokens") is not None:
         merged["steps"] = None
     return resolve_study(**merged, source=str(path))
+
+
+_Path = Annotated[str, Field(min_length=1, max_length=4096, pattern=r"^[^\x00]*$")]
+_Scalar = StrictBool | StrictInt | StrictFloat | StrictStr
+
+
+class _StudyFile(BaseModel):
+    """A study file's keys and their types (values are checked further by `resolve_study`)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    base: _Path
+    variants: list[_Path] | None = None
+    grid: dict[str, list[_Scalar] | _Scalar] | None = None
+    steps: int | None = None
+    tokens: int | None = None
+    seeds: list[int] | None = None
+    tasks: list[str] | None = None
+    mqar: dict[str, int] | None = None
+    data: _Path | None = None
+    set: list[str] | None = None
+    eval_every: int | None = None
+    jobs: int = 1
+    out: _Path | None = None
 
 
 def describe(study: Study) -> str:

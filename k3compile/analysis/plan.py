@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from k3compile.analysis.units import Unit, carried_sources, tp_widths, units
 from k3compile.ops.moe import expert_capacity
-from k3compile.spec.schema import Spec
+from k3compile.spec.schema import MAX_BATCH, MAX_WORLD, Spec
 
 GPU_MEMORY = {  # bytes of HBM per GPU (NVIDIA datasheets: A100 80GB, H100 SXM, H200, HGX B200)
     "a100": 80 * 10**9,
@@ -27,8 +27,7 @@ GPU_MEMORY = {  # bytes of HBM per GPU (NVIDIA datasheets: A100 80GB, H100 SXM, 
 }
 FIT_FRACTION = 0.9
 FP32 = 4
-MAX_GPUS = 1 << 20  # the largest world `plan` enumerates (checked before any enumeration)
-MAX_BATCH = 1 << 24  # sequences in the global batch
+MAX_GPUS = MAX_WORLD  # the largest world `plan` enumerates (checked before any enumeration)
 GPUS_PER_NODE = 8  # tensor parallelism stays within a node (NVLink) unless told otherwise
 SCHEDULES = ("1f1b", "interleaved")
 

@@ -22,7 +22,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from k3compile.runtime.durable import fsync_path
+from k3compile import safe_io
+from k3compile.safe_io import fsync_path
 
 MARKER = ".k3compile-build"
 _OWN_CACHE = "__pycache__"  # importing a build writes bytecode there: not a foreign file
@@ -42,18 +43,27 @@ def file_hashes(files: dict[str, bytes]) -> dict[str, str]:
 
 
 def recorded_files(build: Path) -> dict[str, str] | None:
-    """The files (relative path -> SHA-256) the build at `build` wrote, or None for a marker without the list."""
-    try:
-        marker = json.loads((build / MARKER).read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
+    """The files (relative path -> SHA-256) the build at `build` wrote, or None for a marker without the list.
+
+    The marker is read through the bounded reader (never a link, a device or a FIFO); one that cannot be read,
+    or whose list is not names to digests, is a safe_io.FileError.
+    """
+    marker_path = build / MARKER
+    marker = safe_io.read_json(marker_path, safe_io.MAX_JSON_BYTES, follow=False)
     files = marker.get("files") if isinstance(marker, dict) else None
-    return files if isinstance(files, dict) else None
+    if files is None:
+        return None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise safe_io.FileError(f"{marker_path} does not list the build's files as names and SHA-256 digests")
+    return files
 
 
 def foreign_files(build: Path) -> list[str]:
     """Files under the build folder `build` that no build wrote (bytecode caches aside), sorted."""
-    recorded = recorded_files(build)
+    try:
+        recorded = recorded_files(build)
+    except safe_io.FileError as e:
+        raise BuildDirError(f"{e}; refusing to replace {build}") from None
     if recorded is None:
         return []  # a marker of an older k3compile: it did not list its files
     found = []

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
-from k3compile.spec.schema import MIXER_KDA, MIXER_MLA, Spec
+from k3compile import safe_io
+from k3compile.spec.schema import MAX_LAYERS, MIXER_KDA, MIXER_MLA, Spec
 
 MODEL_TYPE = "kimi_linear"
 ARCHITECTURE = "KimiLinearForCausalLM"
@@ -69,6 +70,11 @@ KNOWN = MAPPED | set(FIXED) | IGNORED | set(ALIASES) | set(ALIASES.values())
 _REQUIRED = object()
 
 
+def _shown(value) -> str:
+    """A config's value in an error: its repr, clipped (a 600 kB list is not echoed whole)."""
+    return safe_io.shown(value, 40, quote=True)
+
+
 class HFError(ValueError):
     """A Hugging Face config or checkpoint k3compile cannot take, or a spec it cannot write as one; one line."""
 
@@ -78,7 +84,7 @@ def _value(config: dict, key: str, default=_REQUIRED):
     present = [n for n in names if n in config]
     if len(present) == 2 and config[present[0]] != config[present[1]]:
         a, b = present
-        raise HFError(f"config.json: {a} ({config[a]!r}) and {b} ({config[b]!r}) disagree")
+        raise HFError(f"config.json: {a} ({_shown(config[a])}) and {b} ({_shown(config[b])}) disagree")
     if present:
         return config[present[0]]
     if default is _REQUIRED:
@@ -90,10 +96,17 @@ def _linear_value(config: dict, key: str, flat: str):
     """A KDA size from `linear_attn_config` (the published form) or transformers' flattened field."""
     nested = config.get("linear_attn_config") or {}
     if key in nested and flat in config and nested[key] != config[flat]:
-        raise HFError(f"config.json: linear_attn_config.{key} ({nested[key]!r}) and {flat} ({config[flat]!r}) disagree")
+        raise HFError(f"config.json: linear_attn_config.{key} ({_shown(nested[key])}) and {flat} "
+                      f"({_shown(config[flat])}) disagree")
     if key in nested:
         return nested[key]
     return _value(config, flat)
+
+
+def is_token_id(value) -> bool:
+    """Whether `value` is what a config's bos/eos/pad_token_id may be: null, an id or a list of ids."""
+    ids = value if isinstance(value, list) else [value]
+    return value is None or len(ids) <= 1024 and all(type(i) is int and 0 <= i < 1 << 31 for i in ids)
 
 
 def _layer_list(values, field: str, num_layers: int, allowed: tuple[str, str]) -> list[str]:
@@ -108,12 +121,17 @@ def _mixers(config: dict, num_layers: int) -> list[str]:
     from_lists = None
     if "full_attn_layers" in nested or "kda_layers" in nested:
         full, kda = nested.get("full_attn_layers", []), nested.get("kda_layers", [])
-        numbers = list(full) + list(kda)
-        if sorted(numbers) != list(range(1, num_layers + 1)):
+        for name, value in (("full_attn_layers", full), ("kda_layers", kda)):
+            if not isinstance(value, list) or not all(type(v) is int for v in value):
+                raise HFError(f"config.json: linear_attn_config.{name} must be a list of layer numbers, "
+                              f"got {_shown(value)}")
+        numbers = full + kda
+        if len(numbers) != num_layers or sorted(numbers) != list(range(1, num_layers + 1)):
             raise HFError(
                 "config.json: linear_attn_config.full_attn_layers and kda_layers must together list the layers "
                 f"1..{num_layers} once each"
             )
+        full = set(full)
         from_lists = [FULL if i + 1 in full else LINEAR for i in range(num_layers)]
     types = config.get("layer_types")
     if types is not None:
@@ -130,8 +148,9 @@ def _dense_layers(config: dict, num_layers: int) -> list[int]:
     first = config.get("first_k_dense_replace")
     from_first = None
     if first is not None:
-        if not isinstance(first, int) or not 0 <= first <= num_layers:
-            raise HFError(f"config.json: first_k_dense_replace must be an integer in [0, {num_layers}], got {first!r}")
+        if type(first) is not int or not 0 <= first <= num_layers:
+            raise HFError(f"config.json: first_k_dense_replace must be an integer in [0, {num_layers}], "
+                          f"got {_shown(first)}")
         from_first = [DENSE if i < first else SPARSE for i in range(num_layers)]
     types = config.get("mlp_layer_types")
     if types is not None:
@@ -143,25 +162,40 @@ def _dense_layers(config: dict, num_layers: int) -> list[int]:
     return [i for i, t in enumerate(types or from_first) if t == DENSE]
 
 
+def _periods(seq: list[str]) -> list[int]:
+    """Every p in 1..len(seq) with seq[i] == seq[i + p] throughout (seq tiles by its first p entries), ascending;
+    from the prefix function (Knuth-Morris-Pratt), in time linear in len(seq)."""
+    border = [0] * len(seq)
+    for i in range(1, len(seq)):
+        k = border[i - 1]
+        while k and seq[i] != seq[k]:
+            k = border[k - 1]
+        border[i] = k + (seq[i] == seq[k])
+    periods, k = [], border[-1] if seq else 0
+    while k:
+        periods.append(len(seq) - k)
+        k = border[k - 1]
+    return periods + [len(seq)]
+
+
 def layout_fields(mixers: list[str]) -> dict:
     """The shortest `pattern` (with `last_layer_full` if that helps) that tiles to `mixers`, else explicit layers."""
     n_layers = len(mixers)
-    for n in range(1, n_layers):
-        pattern = mixers[:n]
-        for last_full in (False, True):
-            tiled = [pattern[i % n] for i in range(n_layers)]
-            if last_full:
-                tiled[-1] = MIXER_MLA
-            if tiled == mixers:
-                return {"pattern": "".join(pattern), "last_layer_full": last_full}
+    whole = set(_periods(mixers))
+    head = set(_periods(mixers[:-1])) if mixers and mixers[-1] == MIXER_MLA else set()
+    for n in range(1, n_layers):  # a tiling of all the layers, or of all but a last full-attention one
+        for last_full, periods in ((False, whole), (True, head)):
+            if n in periods:
+                return {"pattern": "".join(mixers[:n]), "last_layer_full": last_full}
     return {"layers": list(mixers)}
 
 
 def storage_dtype(config: dict) -> str:
     """The config's tensor dtype as transformers names it ('float32' when it says nothing, as transformers)."""
     dtype = _value(config, "dtype", "float32")
-    if dtype not in TORCH_DTYPES:
-        raise HFError(f"config.json: dtype {dtype!r} cannot be expressed (k3compile stores {' or '.join(TORCH_DTYPES)})")
+    if not isinstance(dtype, str) or dtype not in TORCH_DTYPES:
+        raise HFError(f"config.json: dtype {_shown(dtype)} cannot be expressed (k3compile stores "
+                      f"{' or '.join(TORCH_DTYPES)})")
     return dtype
 
 
@@ -170,21 +204,26 @@ def spec_fields(config: dict, name: str) -> dict:
     if not isinstance(config, dict):
         raise HFError("config.json does not hold a JSON object")
     if config.get("model_type") != MODEL_TYPE:
-        raise HFError(f"config.json: unsupported model_type {config.get('model_type')!r}; k3compile imports {MODEL_TYPE!r}")
+        raise HFError(f"config.json: unsupported model_type {_shown(config.get('model_type'))}; k3compile imports "
+                      f"{MODEL_TYPE!r}")
     unknown = sorted(set(config) - KNOWN)
     if unknown:
         more = f" (+{len(unknown) - 1} more)" if len(unknown) > 1 else ""
-        raise HFError(f"config.json: field {unknown[0]!r}{more} has no k3compile counterpart")
+        raise HFError(f"config.json: field {_shown(unknown[0])}{more} has no k3compile counterpart")
     for key, value in FIXED.items():
         if key in config and config[key] != value:
-            raise HFError(f"config.json: {key}={config[key]!r} cannot be expressed (Kimi Linear in k3compile: {value!r})")
+            raise HFError(f"config.json: {key}={_shown(config[key])} cannot be expressed (Kimi Linear in "
+                          f"k3compile: {value!r})")
     nested = config.get("linear_attn_config") or {}
     if not isinstance(nested, dict) or set(nested) - LINEAR_ATTN_KEYS:
         bad = sorted(set(nested) - LINEAR_ATTN_KEYS) if isinstance(nested, dict) else ["(not an object)"]
-        raise HFError(f"config.json: linear_attn_config.{bad[0]} has no k3compile counterpart")
-    n_layers = _value(config, "num_hidden_layers")
-    if not isinstance(n_layers, int) or n_layers < 1:
-        raise HFError(f"config.json: num_hidden_layers must be a positive integer, got {n_layers!r}")
+        raise HFError(f"config.json: linear_attn_config.{safe_io.shown(bad[0], 60)} has no k3compile counterpart")
+    n_layers = _value(config, "num_hidden_layers")  # bounded before any per-layer list is made
+    if type(n_layers) is not int or not 1 <= n_layers <= MAX_LAYERS:
+        raise HFError(f"config.json: num_hidden_layers must be an integer in [1, {MAX_LAYERS}], got {_shown(n_layers)}")
+    bad = next((k for k in TOKEN_IDS if not is_token_id(config.get(k))), None)
+    if bad is not None:
+        raise HFError(f"config.json: {bad} must be a token id, a list of them or null, got {_shown(config[bad])}")
     mixers = _mixers(config, n_layers)
     dense = _dense_layers(config, n_layers)
     dtype = storage_dtype(config)

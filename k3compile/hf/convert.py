@@ -17,6 +17,7 @@ when complete (written as a hidden sibling, then renamed).
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections import Counter
 from dataclasses import dataclass
@@ -26,8 +27,9 @@ import torch
 import yaml
 from torch import Tensor
 
+from k3compile import safe_io
 from k3compile.hf.config import TOKEN_IDS, HFError, spec_fields, storage_dtype
-from k3compile.hf.io import read_config, staged
+from k3compile.hf.io import hub_root, read_config, staged
 from k3compile.hf.layout import DENSE_PREFIX, MOE_PREFIX, Pair, tensor_pairs
 from k3compile.runtime.checkpoint import mismatches
 from k3compile.runtime.shards import WEIGHTS, ShardReader, ShardWriter, dtype_name, weights_header
@@ -65,7 +67,7 @@ class HFImport:
 
 def default_name(hf_dir: Path) -> str:
     """A spec name from the folder's name: 'Kimi-Linear-48B-A3B-Instruct' -> 'kimi-linear-48b-a3b-instruct'."""
-    name = re.sub(r"[^a-z0-9._-]+", "-", Path(hf_dir).resolve().name.lower()).lstrip("._-")[:64]
+    name = re.sub(r"[^a-z0-9._-]+", "-", Path(os.path.abspath(hf_dir)).name.lower()).lstrip("._-")[:64]
     return name or "kimi-linear"
 
 
@@ -178,18 +180,15 @@ def import_hf(
     config = read_config(hf_dir)
     fields = spec_fields(config, name)
     dtype = storage_dtype(config)
-    reader = None if spec_only else ShardReader(hf_dir, SOURCE_STEM)
+    reader = None if spec_only else ShardReader(hf_dir, SOURCE_STEM, root=hub_root(hf_dir))
     out = Path(out) if out is not None else Path("imports") / name
     with staged(out) as tmp:
         spec_path = tmp / "spec.yaml"
-        spec_path.write_text(yaml.safe_dump(fields, sort_keys=False), encoding="utf-8")
+        safe_io.write_text(spec_path, yaml.safe_dump(fields, sort_keys=False))
         spec = load_spec(spec_path, list(overrides))
         note = f" with --set {' --set '.join(overrides)}" if overrides else ""
-        spec_path.write_text(
-            f"# k3compile import-hf of {hf_dir.resolve() / 'config.json'}{note}\n"
-            + yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False),
-            encoding="utf-8",
-        )
+        safe_io.write_text(spec_path, f"# k3compile import-hf of {hf_dir.resolve() / 'config.json'}{note}\n"
+                           + yaml.safe_dump(spec.model_dump(mode="json", exclude_defaults=True), sort_keys=False))
         if reader is None:
             return HFImport(out, spec, None, [], 0)
         pairs, orphans = tensor_pairs(spec, ffn_prefixes(reader, spec))

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from k3compile.hf.config import TORCH_DTYPES, HFError, check_exportable, hf_config
+from k3compile import safe_io
+from k3compile.hf.config import TOKEN_IDS, TORCH_DTYPES, HFError, check_exportable, hf_config, is_token_id
 from k3compile.hf.convert import HF_TOKEN_IDS, SOURCE_STEM
 from k3compile.hf.io import check_out, staged
 from k3compile.hf.layout import Pair, published_prefix, tensor_pairs
@@ -45,9 +46,17 @@ def storage_dtype(spec: Spec, state: dict[str, Tensor]) -> str:
 
 
 def _token_ids(checkpoint: Path) -> dict:
+    """The source config's token ids a weights folder carries (import-hf's), checked: an object of ids."""
     if not holds(checkpoint, WEIGHTS):
         return {}
-    return json.loads(ShardReader(checkpoint, WEIGHTS).metadata.get(HF_TOKEN_IDS, "{}"))
+    text = ShardReader(checkpoint, WEIGHTS).metadata.get(HF_TOKEN_IDS, "{}")
+    try:
+        ids = safe_io.parse_json(text, f"{checkpoint}: {HF_TOKEN_IDS}") if isinstance(text, str) else None
+    except safe_io.FileError as e:
+        raise HFError(str(e)) from None
+    if not isinstance(ids, dict) or set(ids) - set(TOKEN_IDS) or not all(map(is_token_id, ids.values())):
+        raise HFError(f"{checkpoint}: its {HF_TOKEN_IDS} metadata is not an object of {', '.join(TOKEN_IDS)}")
+    return ids
 
 
 def export_hf(build: str | Path, checkpoint: str | Path, out: str | Path, max_shard_bytes: int | None = None) -> list[Path]:
@@ -68,7 +77,7 @@ def export_hf(build: str | Path, checkpoint: str | Path, out: str | Path, max_sh
         raise HFError(f"the build has tensors Kimi Linear lacks: {', '.join(orphans[:4])}")
     config = hf_config(spec, storage_dtype(spec, state), _token_ids(Path(checkpoint)))
     with staged(out) as tmp:
-        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+        safe_io.write_text(tmp / "config.json", json.dumps(config, indent=2) + "\n")
         writer = ShardWriter(tmp, SOURCE_STEM, max_shard_bytes or DEFAULT_SHARD_BYTES, {"format": "pt"})
         with torch.no_grad():
             for pair in pairs:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import tempfile
@@ -10,21 +9,33 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from k3compile import safe_io
 from k3compile.hf.config import HFError
 from k3compile.runtime.shards import permissions
 
+MAX_CONFIG_BYTES = 16 << 20  # a config is kilobytes; a per-layer list of 1,024 layers is tens of them
+
+
+def hub_root(hf_dir: Path) -> Path:
+    """Where the files of `hf_dir` may lie: the folder itself, or for a Hugging Face hub cache snapshot
+    (`models--org--name/snapshots/<revision>/`, whose files are links to `../../blobs/`) that repository's cache."""
+    hf_dir = Path(hf_dir).resolve()
+    repo = hf_dir.parent.parent
+    return repo if hf_dir.parent.name == "snapshots" and (repo / "blobs").is_dir() else hf_dir
+
 
 def read_config(hf_dir: Path) -> dict:
-    """`hf_dir/config.json` as a dict; a missing or unreadable file is a one-line HFError."""
+    """`hf_dir/config.json` as a dict, through the bounded reader; anything else is a one-line HFError."""
     path = Path(hf_dir) / "config.json"
     if not Path(hf_dir).is_dir():
         raise HFError(f"{hf_dir} is not a folder")
     try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+        config = safe_io.read_json(safe_io.confined(hf_dir, "config.json", source=str(hf_dir), root=hub_root(hf_dir)),
+                                   MAX_CONFIG_BYTES)  # fmt: skip
+    except safe_io.MissingFile:
         raise HFError(f"{path} does not exist") from None
-    except (OSError, ValueError) as e:
-        raise HFError(f"{path} is not readable JSON ({type(e).__name__}: {e})") from None
+    except safe_io.FileError as e:
+        raise HFError(str(e)) from None
     if not isinstance(config, dict):
         raise HFError(f"{path} does not hold a JSON object")
     return config

@@ -28,7 +28,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from torch import Tensor, nn
 
-from k3compile.runtime.durable import fsync_path
+from k3compile import safe_io
 from k3compile.runtime.muon import PerHeadMuon
 
 FORMAT = "k3compile-checkpoint/2"
@@ -36,6 +36,7 @@ OLD_FORMATS = ("k3compile-checkpoint/1",)  # without a metadata checksum: not re
 _NAME = re.compile(r"^step-(\d+)\.json$")
 _MODEL, _OPTIM = "model/", "optim/"
 _CHECKSUM = "meta_sha256"
+MAX_METADATA_BYTES = safe_io.MAX_JSON_BYTES
 
 
 class CheckpointError(ValueError):
@@ -96,28 +97,6 @@ def latest(directory: Path) -> Path | None:
 # ---------------------------------------------------------------- writing
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write `data` to a hidden temporary sibling, fsync it, then rename it over `path`."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        try:
-            _write_all(fd, data)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def save(directory: Path, step: int, tensors: Mapping[str, Tensor], meta: Mapping) -> Path:
     """Commit a checkpoint of `step`, then delete every other one; returns its JSON path.
 
@@ -127,10 +106,10 @@ def save(directory: Path, step: int, tensors: Mapping[str, Tensor], meta: Mappin
     directory = Path(directory)
     tensor_path, json_path = paths(directory, step)
     previous = latest(directory)
-    if json_path.exists():
+    if json_path.is_file() and not json_path.is_symlink():
         return json_path
     try:
-        directory.mkdir(parents=True, exist_ok=True)
+        safe_io.make_dir(directory)
         payload = st_save({k: v.detach().contiguous() for k, v in tensors.items()}, metadata={"format": FORMAT})
         record = sealed({
             "format": FORMAT,
@@ -141,9 +120,10 @@ def save(directory: Path, step: int, tensors: Mapping[str, Tensor], meta: Mappin
             "crc32": zlib.crc32(payload),
         })
         text = json.dumps(record, indent=1, sort_keys=True).encode()
-        _write_atomic(tensor_path, payload)
-        _write_atomic(json_path, text)
-        fsync_path(directory)
+        safe_io.write_atomic(tensor_path, payload)
+        safe_io.write_atomic(json_path, text, sync_dir=True)
+    except safe_io.FileError as e:
+        raise CheckpointError(f"cannot write checkpoint {json_path.stem}: {e}") from None
     except OSError as e:
         json_path.unlink(missing_ok=True)
         tensor_path.unlink(missing_ok=True)
@@ -162,28 +142,34 @@ def save(directory: Path, step: int, tensors: Mapping[str, Tensor], meta: Mappin
 
 def load(json_path: Path) -> Checkpoint:
     """Read and verify a checkpoint (its JSON path, or the folder holding it: the newest there)."""
-    json_path = Path(json_path)
+    json_path, named = Path(json_path), True
     if json_path.is_dir():
         found = latest(json_path)
         if found is None:
             raise CheckpointError(f"no checkpoint in {json_path}")
-        json_path = found
+        json_path, named = found, False  # found in a folder: a file k3compile wrote, never a link
     where = f"checkpoint {json_path}"
     try:
-        meta = json.loads(json_path.read_bytes())
-    except FileNotFoundError:
+        raw = safe_io.read_bytes(json_path, MAX_METADATA_BYTES, what="a checkpoint's metadata", follow=named)
+    except safe_io.MissingFile:
         raise CheckpointError(f"{where} does not exist") from None
-    except (OSError, ValueError, RecursionError) as e:
-        raise CheckpointError(f"{where} is corrupted (unreadable metadata: {_one_line(e)})") from None
+    except safe_io.FileError as e:
+        raise CheckpointError(f"{where}: {e}") from None
+    try:
+        meta = safe_io.parse_json(raw, json_path.name)
+    except safe_io.FileError as e:
+        raise CheckpointError(f"{where} is corrupted (unreadable metadata: {e})") from None
     record = _verified_record(meta, json_path, where)
     tensor_path = json_path.with_name(record.tensors)
-    try:
-        payload = tensor_path.read_bytes()
-    except OSError as e:
-        raise CheckpointError(f"{where}: cannot read {tensor_path.name}: {e.strerror}") from None
-    if len(payload) != record.bytes:
+    try:  # at most the bytes the metadata records (+1 to tell a longer file), from a regular file beside it
+        payload = safe_io.read_bytes(tensor_path, record.bytes + 1, what="its tensors", follow=False)
+    except safe_io.FileError as e:
+        raise CheckpointError(f"{where}: cannot read {tensor_path.name}: {e}") from None
+    if len(payload) < record.bytes:
         have = f"{tensor_path.name} has {len(payload)} of {record.bytes} bytes"
         raise CheckpointError(f"{where} is truncated ({have})")
+    if len(payload) > record.bytes:
+        raise CheckpointError(f"{where} is corrupted ({tensor_path.name} is longer than its {record.bytes} bytes)")
     if zlib.crc32(payload) != record.crc32:
         raise CheckpointError(f"{where} is corrupted ({tensor_path.name} fails its CRC-32 check)")
     try:
@@ -271,9 +257,14 @@ def optimizer_tensors(optimizer: torch.optim.Optimizer, names: Iterable[tuple[st
 
 def check_model(model: nn.Module, ckpt: Checkpoint) -> None:
     """Fail, naming every tensor that differs, unless the checkpoint has exactly the model's tensors and shapes."""
-    live = {k: tuple(v.shape) for k, v in model_tensors(model).items()}
+    tensors = model_tensors(model)
+    live = {k: tuple(v.shape) for k, v in tensors.items()}
     found = {k: tuple(v.shape) for k, v in ckpt.tensors.items() if k.startswith(_MODEL)}
     problem = mismatches(live, found)
+    retyped = [f"{k} {ckpt.tensors[k].dtype} vs {t.dtype}" for k, t in tensors.items()
+               if k in ckpt.tensors and ckpt.tensors[k].dtype != t.dtype]  # copying would cast them silently
+    if retyped and not problem:
+        problem = f"dtype (checkpoint vs model) {_list(retyped)}"
     if problem:
         spec = ckpt.meta.get("spec_name", "?")
         raise CheckpointError(f"{ckpt.path} (spec {spec!r}) does not match this model: {problem.replace(_MODEL, '')}")
@@ -304,8 +295,10 @@ def restore_optimizer(optimizer: PerHeadMuon, names: list[tuple[str, Tensor]], c
             unknown.append(name)
             continue
         want = optimizer.state_layout(params[name]).get(slot)
-        if want is None or tuple(value.shape) != want or not value.is_floating_point():
-            expected = "no such state" if want is None else f"expected a float tensor of shape {list(want)}"
+        retyped = bool(want) and value.dtype != params[name].dtype  # a moment or momentum: the parameter's dtype
+        if want is None or tuple(value.shape) != want or not value.is_floating_point() or retyped:
+            dtype = f" and dtype {params[name].dtype}" if want else ""
+            expected = "no such state" if want is None else f"expected a float tensor of shape {list(want)}{dtype}"
             bad.append(f"{name}/{slot} {list(value.shape)} ({expected})")
             continue
         state.setdefault(params[name], {})[slot] = value.clone().to(params[name].device)

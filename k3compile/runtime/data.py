@@ -20,6 +20,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from k3compile import safe_io
+
 VOCAB = 256  # byte-level tokens
 DEFAULT_CORPUS_BYTES = 8 << 20  # the stdlib corpus is cut here (about 8 MB)
 MAX_DATA_BYTES = 1 << 30  # user data beyond this is cut (held in memory once, as one uint8 buffer)
@@ -54,9 +56,9 @@ def stdlib_files() -> list[Path]:
 def is_text_file(path: Path) -> bool:
     """No NUL byte and valid UTF-8 in the first SNIFF_BYTES (a character cut by that limit is allowed)."""
     try:
-        with open(path, "rb") as f:
+        with os.fdopen(safe_io.open_regular(path), "rb") as f:
             head = f.read(SNIFF_BYTES)
-    except OSError:
+    except (OSError, safe_io.FileError):
         return False
     if b"\0" in head:
         return False
@@ -96,9 +98,11 @@ def _read_capped(files: list[Path], cap: int) -> tuple[bytearray, int]:
     for path, want in zip(files, sizes):
         if size >= len(buffer):
             break
-        try:
-            with open(path, "rb") as f:
+        try:  # the bounded reader's open: a regular file still, not a FIFO or device swapped in since the stat
+            with os.fdopen(safe_io.open_regular(path), "rb") as f:
                 got = f.readinto(view[size : min(size + want, len(buffer))])
+        except safe_io.FileError as e:
+            raise DataError(f"{e}; give a text file or folder") from None
         except OSError as e:
             raise DataError(f"cannot read {path}: {e.strerror}") from None
         if got:
@@ -116,9 +120,13 @@ def load_corpus(path: str | Path | None = None, max_bytes: int | None = None) ->
         source = f"python stdlib sources ({sysconfig.get_paths()['stdlib']})"
     else:
         path = Path(path)
-        if not path.exists():
+        try:
+            exists, folder = path.exists(), path.is_dir()
+        except (OSError, ValueError) as e:  # a name too long, a NUL byte
+            raise DataError(f"cannot read {safe_io.shown(path)}: {getattr(e, 'strerror', None) or e}") from None
+        if not exists:
             raise DataError(f"no such file or folder: {path}")
-        if path.is_dir():
+        if folder:
             files = _text_files(path)
             if not files:
                 raise DataError(f"{path} holds no text files")
@@ -144,7 +152,11 @@ def split(data: bytes | bytearray, seq_len: int, val_fraction: float = VAL_FRACT
         )
     n_val = max(math.ceil(len(data) * val_fraction), seq_len + 1)
     tokens = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
-    return tokens[: len(data) - n_val], tokens[len(data) - n_val :]
+    train = tokens[: len(data) - n_val]
+    if bool((train == train[0]).all()):  # nothing to learn, and a unigram entropy of 0 to compare the loss with
+        raise DataError(f"the training part of the data ({train.numel()} bytes) is one byte value ({int(train[0]):#04x}) "
+                        "repeated; training needs at least two distinct bytes")
+    return train, tokens[len(data) - n_val :]
 
 
 def unigram_entropy(tokens: Tensor) -> float:

@@ -44,6 +44,19 @@ def load_build(build: str | Path | ModuleType) -> ModuleType:
         raise GenerateError(str(e)) from None
 
 
+def check_runnable(module: ModuleType, build: str | Path | ModuleType) -> None:
+    """Refuse in one line a build whose kernels cannot run here (a GPU target on a machine without one)."""
+    from k3compile.loader import BuildLoadError, check_target
+
+    try:
+        where = build
+        if isinstance(build, ModuleType):
+            where = Path(build.__file__).parent if getattr(build, "__file__", None) else build.__name__
+        check_target(module, where)
+    except BuildLoadError as e:
+        raise GenerateError(str(e)) from None
+
+
 def build_spec(module: ModuleType) -> Spec:
     """The spec a loaded build was compiled from."""
     return Spec.model_validate_json(module.SPEC_JSON)
@@ -97,18 +110,20 @@ def read_training_state(
 
 
 # Fields a checkpoint's weights do not depend on: serving may change them.
-_SERVING_FIELDS = {"name", "training", "quantization", "target", "parallel", "context_length"}
+SERVING_FIELDS = {"name", "training", "quantization", "target", "parallel", "context_length"}
 
 
 def _check_architecture(meta: dict, path: Path, spec: Spec) -> None:
     """Refuse a checkpoint whose recorded spec describes another model (same shapes, other numerics)."""
-    if not isinstance(meta.get("spec"), dict):
+    if "spec" not in meta:
         return
+    if not isinstance(meta["spec"], dict):
+        raise GenerateError(f"checkpoint {path} records a spec that is not an object")
     try:
-        trained = Spec.model_validate(meta["spec"]).model_dump(exclude=_SERVING_FIELDS)
+        trained = Spec.model_validate(meta["spec"]).model_dump(exclude=SERVING_FIELDS)
     except ValueError:
         raise GenerateError(f"checkpoint {path} records a spec that does not validate") from None
-    built = spec.model_dump(exclude=_SERVING_FIELDS)
+    built = spec.model_dump(exclude=SERVING_FIELDS)
     changed = sorted(k for k in built if built[k] != trained.get(k))
     if changed:
         raise GenerateError(
@@ -156,14 +171,21 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
     """
     from k3compile.runtime.shards import weights_class
 
+    from k3compile.runtime.shards import ShardError
+
     module = load_build(build)
     check_weights(module, checkpoint)
+    check_runnable(module, build)
     if not hasattr(module, "InferenceModel"):
         raise GenerateError(f"{build}: a train-only build has no InferenceModel; build with --mode infer or both")
     if checkpoint is None:
         return module.InferenceModel().eval()
     model = module.InferenceModel(device="meta")
-    if weights_class(checkpoint) == "InferenceModel":
+    try:
+        kind = weights_class(checkpoint)
+    except ShardError as e:
+        raise GenerateError(_one_line(e)) from None
+    if kind == "InferenceModel":
         own = {k: model.full_shape(k, tuple(v.shape)) for k, v in model.state_dict().items()}
         state = {k: model.local_rows(k, v) for k, v in read_training_state(checkpoint, own, model.spec).items()}
     else:

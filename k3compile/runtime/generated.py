@@ -32,6 +32,24 @@ def local_expert_rows(spec: Spec) -> tuple[int, int] | None:
     return expert_parallel.rank() * per, (expert_parallel.rank() + 1) * per
 
 
+def check_tokens(spec: Spec, tokens: Tensor, what: str = "tokens", ignore: int | None = None) -> None:
+    """One ValueError line for input an emitted model cannot take: not an integer tensor [batch, time], no
+    sequence or no position, more positions than context_length, ids outside [0, vocab_size) (`ignore` allowed
+    too). The ids are read on the host only, and not while torch.compile traces (either would wait or break)."""
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2:
+        raise ValueError(f"{what} must be a tensor [batch, time], got {getattr(tokens, 'shape', type(tokens).__name__)}")
+    if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        raise ValueError(f"{what} must hold integer token ids, got {tokens.dtype}")
+    if 0 in tokens.shape:
+        raise ValueError(f"{what} of shape {list(tokens.shape)} holds no sequence or no position")
+    if tokens.shape[1] > spec.context_length:
+        raise ValueError(f"{what} has {tokens.shape[1]} positions, more than context_length {spec.context_length}")
+    if tokens.device.type == "cpu" and not torch.compiler.is_compiling():
+        low, high = tokens.aminmax()
+        if (low < 0 and (ignore is None or bool(((tokens < 0) & (tokens != ignore)).any()))) or high >= spec.vocab_size:
+            raise ValueError(f"{what} ids must be in [0, {spec.vocab_size}), got {int(low)}..{int(high)}")
+
+
 def _put(root: nn.Module, name: str, tensor: Tensor, parameter: bool, persistent: bool = True) -> None:
     *parents, leaf = name.split(".")
     module = root
@@ -184,6 +202,12 @@ class TrainingModule(GeneratedModule):
 
     def forward(self, tokens: Tensor, labels: Tensor | None = None) -> Tensor:
         """Logits [B, T, V]; with labels (aligned with tokens, shifted here), the mean next-token loss."""
+        check_tokens(self.spec, tokens)
+        if labels is not None:
+            check_tokens(self.spec, labels, "labels", IGNORE_INDEX)
+            if labels.shape != tokens.shape or tokens.shape[1] < 2:
+                raise ValueError(f"labels {list(labels.shape)} must be shaped like tokens {list(tokens.shape)}, with at "
+                                 "least 2 positions (the loss predicts each next one)")
         logits = self.graph(tokens)
         if labels is None:
             return logits
@@ -242,7 +266,7 @@ class InferenceModule(GeneratedModule):
     @torch.inference_mode()
     def prefill(self, tokens: Tensor, max_len: int | None = None) -> tuple[Tensor, DecodeCache]:
         """Logits [B, T, V] of equal-length prompts and the caches to continue from."""
-        self._check_tokens(tokens)
+        check_tokens(self.spec, tokens)
         cache = self.new_cache(tokens.shape[0], max_len)
         if tokens.shape[1] > cache.max_len:
             raise ValueError(f"{tokens.shape[1]} prompt tokens do not fit max_len {cache.max_len}")
@@ -270,7 +294,7 @@ class InferenceModule(GeneratedModule):
     def decode(self, tokens: Tensor, cache: DecodeCache) -> tuple[Tensor, DecodeCache]:
         """Logits [B, 1, V] of one new token per sequence (tokens [B] or [B, 1]); the cache moves on by one."""
         tokens = tokens.view(-1, 1)
-        self._check_tokens(tokens)
+        check_tokens(self.spec, tokens)
         if tokens.shape[0] != len(cache.lengths):
             raise ValueError(f"{tokens.shape[0]} tokens for a cache of {len(cache.lengths)} sequences")
         if max(cache.lengths) >= cache.max_len:
@@ -292,13 +316,6 @@ class InferenceModule(GeneratedModule):
         for weight, p in self.PACKED.items():
             out[weight] = mx_dequantize(state[p["data"]], state[p["scale"]], p["fmt"], p["block"], torch.float32)
         return out
-
-    def _check_tokens(self, tokens: Tensor) -> None:
-        if tokens.dim() != 2:
-            raise ValueError(f"tokens must be [batch, time], got shape {tuple(tokens.shape)}")
-        on_host = tokens.device.type == "cpu"  # elsewhere reading the values would wait for the device
-        if on_host and tokens.numel() and (tokens.min() < 0 or tokens.max() >= self.spec.vocab_size):
-            raise ValueError(f"token ids must be in [0, {self.spec.vocab_size})")
 
     def _activation_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype

@@ -9,29 +9,54 @@ expert. A checkpoint is written into a hidden `.step-<N>.dcp.tmp/` and renamed i
 after every rank finished (a crash leaves no half checkpoint); older ones are deleted after that.
 `consolidate` reads one into a single process and writes the single-file safetensors checkpoint
 (k3compile.runtime.checkpoint) that `generate` and `--init-from` read.
+Nothing runs from a checkpoint: DCP's metadata is read by k3compile.runtime.dcp_reader (a restricted unpickler,
+checked against the tensors loaded), k3compile.json through the bounded reader and a strict schema.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
-import shutil
 import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from torch import Tensor
+from torch.distributed.checkpoint.api import CheckpointException
 
+from k3compile import safe_io
 from k3compile.runtime import checkpoint as ckpt
+from k3compile.runtime.dcp_reader import SafeReader, expected_tensors
 from k3compile.runtime.distributed import Layout, barrier
 from k3compile.runtime.fsdp import local
 from k3compile.runtime.muon import _scalar_dtype
-from k3compile.runtime.durable import fsync_path
+from k3compile.safe_io import fsync_path
 
 META = "k3compile.json"
 _NAME = re.compile(r"step-(\d{6,})\.dcp")
+
+
+class _Layout(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    dp: int = Field(ge=1)
+    ep: int = Field(ge=1)
+
+
+class _Record(BaseModel):
+    """What k3compile.json must hold, strictly typed (the training fields are checked again by train on resume)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    step: int = Field(ge=0)
+    spec_name: str
+    spec_sha256: str
+    spec: dict
+    layout: _Layout
 
 
 def path(directory: Path, step: int) -> Path:
@@ -85,23 +110,24 @@ def save(layout: Layout, run, step: int, meta: dict) -> Path:
     final = path(directory, step)
     tmp = directory / f".{final.name}.tmp"
     if layout.main:
-        directory.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        safe_io.make_dir(directory)
+        if os.path.lexists(tmp):
+            safe_io.remove_tree(tmp)  # a link there is removed, not followed: DCP writes into a folder of its own
     barrier(layout)
     dcp.save(state_of(layout, run), checkpoint_id=str(tmp))
     barrier(layout)
     if layout.main:
-        (tmp / META).write_text(json.dumps({**meta, "step": step, "layout": {"dp": layout.dp, "ep": layout.ep}},
-                                           indent=1, sort_keys=True))  # fmt: skip
+        safe_io.write_text(tmp / META, json.dumps({**meta, "step": step, "layout": {"dp": layout.dp, "ep": layout.ep}},
+                                                  indent=1, sort_keys=True))  # fmt: skip
         for f in tmp.iterdir():
             fsync_path(f)
-        if final.exists():
-            shutil.rmtree(final)
+        if os.path.lexists(final):
+            safe_io.remove_tree(final)
         tmp.rename(final)
         fsync_path(directory)
         for old in committed(directory):
             if old != step:
-                shutil.rmtree(path(directory, old), ignore_errors=True)
+                safe_io.remove_tree(path(directory, old))
         for old in ckpt.committed(directory):  # single-file checkpoints of an earlier one-process run
             for p in reversed(ckpt.paths(directory, old)):
                 p.unlink(missing_ok=True)
@@ -110,21 +136,45 @@ def save(layout: Layout, run, step: int, meta: dict) -> Path:
 
 
 def read_meta(checkpoint: Path) -> dict:
+    """k3compile.json of the distributed checkpoint `checkpoint`, through the bounded reader (the checkpoint's own
+    file: never a link), strictly typed, its step the one the folder is named for."""
+    checkpoint = Path(checkpoint)
+    where = f"{checkpoint} is not a k3compile distributed checkpoint"
     try:
-        return json.loads((Path(checkpoint) / META).read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise ckpt.CheckpointError(f"{checkpoint} is not a k3compile distributed checkpoint: {e}") from None
+        meta = safe_io.read_json(checkpoint / META, follow=False)
+        record = _Record.model_validate(meta)
+    except safe_io.FileError as e:
+        raise ckpt.CheckpointError(f"{where}: {e}") from None
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        raise ckpt.CheckpointError(f"{where}: {META}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    m = _NAME.fullmatch(checkpoint.name)
+    if m and int(m.group(1)) != record.step:
+        raise ckpt.CheckpointError(f"{where}: {META} records step {record.step} in the folder of step {int(m.group(1))}")
+    return meta
+
+
+def _dcp_load(state: dict[str, Tensor], checkpoint: Path, no_dist: bool) -> None:
+    """Load `state` in place from `checkpoint` through SafeReader: metadata checked before any read, and any
+    failure of DCP's (multi-line CheckpointException, AssertionError, ...) one CheckpointError line."""
+    reader = SafeReader(checkpoint, expected_tensors(state))
+    reader.verified_metadata()
+    try:
+        with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the point there
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(state, storage_reader=reader, no_dist=no_dist)
+    except (Exception, CheckpointException) as e:  # CheckpointException (a BaseException) wraps each rank's failure
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) and e.failures else e
+        first = (str(cause).strip().splitlines() or [""])[0]
+        why = f"{type(cause).__name__}: {first}" if first else type(cause).__name__
+        raise ckpt.CheckpointError(f"cannot read {checkpoint}: {safe_io.shown(why, 200)}") from None
 
 
 def load(layout: Layout, run, checkpoint: Path) -> int:
     """Read a distributed checkpoint (any layout it was saved at) into the run; returns its step."""
     meta = read_meta(checkpoint)
     state = state_of(layout, run)
-    try:
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=not layout.distributed)
-    except Exception as e:  # DCP raises CheckpointException (and others) with multi-line text
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise ckpt.CheckpointError(f"cannot read {checkpoint}: {first}") from None
+    _dcp_load(state, checkpoint, not layout.distributed)
     with torch.no_grad():
         for key, t in ckpt.model_tensors(run.model).items():
             loaded, t = local(state[key]), local(t)
@@ -142,9 +192,7 @@ def consolidate(checkpoint: Path, model, out_dir: Path) -> Path:
         raise ckpt.CheckpointError("consolidate runs in one process (outside torchrun)")
     meta = read_meta(checkpoint)
     state = ckpt.model_tensors(model)
-    with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is the point here
-        warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(checkpoint), no_dist=True)
+    _dcp_load(state, checkpoint, True)
     keep = {k: v for k, v in meta.items() if k not in ("step", "optimizer", "layout")}
     return ckpt.save(Path(out_dir), int(meta["step"]), state, keep)
 
@@ -166,6 +214,7 @@ def consolidate_run(checkpoint: Path, out: Path, build: Path | None = None) -> P
     checkpoint in `out` (absent or empty), through the run's build (default RUN/build/<package>)."""
     from k3compile.build import package_name
     from k3compile.loader import BuildLoadError, load
+    from k3compile.runtime.generate import SERVING_FIELDS
     from k3compile.spec.schema import Spec
 
     source = newest(checkpoint)
@@ -173,11 +222,22 @@ def consolidate_run(checkpoint: Path, out: Path, build: Path | None = None) -> P
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ckpt.CheckpointError(f"output {out} exists and is not an empty folder")
     meta = read_meta(source)
-    if build is None:
+    try:
         spec = Spec.model_validate(meta["spec"])
+    except ValidationError as e:
+        err = e.errors(include_url=False)[0]
+        where = ".".join(map(str, err["loc"])) or "<spec>"
+        raise ckpt.CheckpointError(f"{source}/{META} records a spec that does not validate: {where}: {err['msg']}") from None
+    if build is None:
         build = source.parent.parent / "build" / package_name(spec)
     try:
         package = load(build)
     except BuildLoadError as e:
         raise ckpt.CheckpointError(str(e)) from None
+    if not hasattr(package, "Model"):
+        raise ckpt.CheckpointError(f"{build} has no training Model (built with --mode infer); name the run's build")
+    built = Spec.model_validate_json(package.SPEC_JSON)
+    if built.model_dump(exclude=SERVING_FIELDS) != spec.model_dump(exclude=SERVING_FIELDS):
+        raise ckpt.CheckpointError(f"{source} was written for spec {spec.name!r}, whose architecture is not the one of "
+                                   f"the build {build} ({built.name!r})")  # fmt: skip
     return consolidate(source, package.Model(), out)

@@ -23,9 +23,12 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from k3compile import safe_io
+
 WEIGHTS = "weights"  # the stem of a k3compile weights folder (`k3compile import-hf` writes one)
 FORMAT = "k3compile-weights/1"
 DEFAULT_SHARD_BYTES = 5 * 10**9  # 5 GB, as Hugging Face's save_pretrained
+MAX_INDEX_BYTES = 256 << 20  # an index lists every tensor once: megabytes for the largest checkpoints
 
 # safetensors dtype codes, as safe_open reports them
 DTYPES = {
@@ -44,6 +47,22 @@ def permissions(mode: int) -> int:
 
 class ShardError(ValueError):
     """A shard folder that cannot be read or written; one line."""
+
+
+def _read_index(path: Path, shown_as: Path) -> tuple[dict[str, str], dict]:
+    """(weight_map, metadata) of a safetensors index, type-checked: tensor names to shard file names, and
+    metadata of scalars."""
+    try:
+        doc = safe_io.read_json(path, MAX_INDEX_BYTES)
+    except safe_io.FileError as e:
+        raise ShardError(str(e)) from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    metadata = (doc.get("metadata") if isinstance(doc, dict) else None) or {}
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise ShardError(f"{shown_as} is not a safetensors index (weight_map must map tensor names to file names)")
+    if not isinstance(metadata, dict) or not all(isinstance(v, (str, int, float, bool)) for v in metadata.values()):
+        raise ShardError(f"{shown_as} is not a safetensors index (metadata must map names to strings or numbers)")
+    return weight_map, dict(metadata)
 
 
 def single_file(directory: Path, stem: str) -> Path:
@@ -65,24 +84,27 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 class ShardReader:
-    """Names, shapes and dtypes of every tensor of a shard set, and each tensor's data on demand."""
+    """Names, shapes and dtypes of every tensor of a shard set, and each tensor's data on demand.
 
-    def __init__(self, directory: str | Path, stem: str):
+    The index is read through the bounded reader and type-checked; every shard it names must stay inside the
+    folder (or `root`, for a Hugging Face hub cache snapshot whose files link into its `blobs/`) and be a
+    regular file: a shard map never leads a read elsewhere.
+    """
+
+    def __init__(self, directory: str | Path, stem: str, root: str | Path | None = None):
         self.directory = Path(directory)
+        self.root = root
         index = index_file(self.directory, stem)
         if index.is_file():
-            try:
-                doc = json.loads(index.read_text())
-                weight_map = dict(doc["weight_map"])
-                self.metadata = dict(doc.get("metadata") or {})
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ShardError(f"{index} is not a safetensors index ({type(e).__name__}: {e})") from None
+            weight_map, self.metadata = _read_index(self._path(index.name, str(self.directory)), index)
         elif single_file(self.directory, stem).is_file():
             weight_map, self.metadata = None, None
         else:
             raise ShardError(f"{self.directory} holds neither {index.name} nor {stem}.safetensors")
         files = sorted(set(weight_map.values())) if weight_map is not None else [f"{stem}.safetensors"]
-        missing = [f for f in files if not (self.directory / f).is_file()]
+        for f in files:
+            self._path(f, str(index))
+        missing = [f for f in files if not os.path.lexists(self.directory / f)]  # anything else: refused by _open
         if missing:
             more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
             raise ShardError(f"{self.directory}: shard {missing[0]}{more} listed in {index.name} is missing")
@@ -104,11 +126,19 @@ class ShardReader:
                 raise ShardError(f"{self.directory}: {absent[0]} is listed in {index.name} but absent from {weight_map[absent[0]]}")
         self._handles: dict[str, object] = {}
 
-    def _open(self, file: str):
+    def _path(self, name: str, source: str) -> Path:
         try:
-            return safe_open(self.directory / file, framework="pt", backend="pread")
-        except (SafetensorError, OSError) as e:
-            raise ShardError(f"{self.directory / file} is not a readable safetensors file ({e})") from None
+            return safe_io.confined(self.directory, name, source=source, root=self.root)
+        except safe_io.FileError as e:
+            raise ShardError(str(e)) from None
+
+    def _open(self, file: str):
+        path = self.directory / file
+        try:
+            os.close(safe_io.open_regular(path))  # a FIFO or device would block or never end inside safetensors
+            return safe_open(path, framework="pt", backend="pread")
+        except (SafetensorError, OSError, safe_io.FileError) as e:
+            raise ShardError(f"{path} is not a readable safetensors file ({safe_io.shown(str(e), 160)})") from None
 
     @property
     def names(self) -> list[str]:
@@ -190,7 +220,7 @@ class ShardWriter:
             weight_map.update({name: path.name for name in names})
         index = {"metadata": {**self.index_metadata, "total_size": self.total_bytes}, "weight_map": weight_map}
         path = index_file(self.directory, self.stem)
-        path.write_text(json.dumps(index, indent=2) + "\n")
+        safe_io.write_text(path, json.dumps(index, indent=2) + "\n", mode=0o666)
         return [*written, path]
 
 
@@ -216,10 +246,13 @@ def read_weights(path: str | Path) -> tuple[dict, dict[str, Tensor]]:
     meta = dict(reader.metadata)
     if meta.get("k3compile") != FORMAT:
         raise ShardError(f"{path} is not a {FORMAT} folder (its metadata names no k3compile format)")
+    spec = meta.get("spec")
     try:
-        meta["spec"] = json.loads(meta["spec"])
-    except (KeyError, ValueError):
-        raise ShardError(f"{path}: the weights' metadata records no readable spec") from None
+        meta["spec"] = safe_io.parse_json(spec, "spec") if isinstance(spec, str) else None
+    except safe_io.FileError:
+        meta["spec"] = None
+    if not isinstance(meta["spec"], dict):
+        raise ShardError(f"{path}: the weights' metadata records no readable spec")
     try:
         return meta, {name: reader.get(name) for name in reader.names}
     finally:

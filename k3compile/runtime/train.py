@@ -30,6 +30,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor, nn
 
+from k3compile import safe_io
 from k3compile.kernels.launch import interpreting
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime import distributed as dist_rt
@@ -42,6 +43,7 @@ from k3compile.runtime.schedule import lr_at
 from k3compile.spec.schema import MIXER_KDA, Spec
 
 EVAL_BATCHES = 4  # validation batches of (batch_size, seq_len) per evaluation
+MAX_METRICS_BYTES = 1 << 30  # metrics.jsonl is read whole on resume: about 200 bytes a step
 LOG2E = 1.0 / math.log(2.0)
 
 
@@ -119,7 +121,7 @@ def _why_not_reusable(dest: Path, spec: Spec, target: str, mode: str = "both") -
     from k3compile.build import pipeline
 
     try:
-        manifest = json.loads((dest / "manifest.json").read_text(encoding="utf-8"))
+        manifest = safe_io.read_json(dest / "manifest.json", follow=False)
         built = Spec.model_validate(manifest["spec"]["fields"])
         compiler, modes, passes = manifest["compiler"], manifest["modes"], manifest["passes"]
     except (OSError, ValueError, KeyError, TypeError):
@@ -497,10 +499,14 @@ def read_metrics(path: Path, upto: int) -> MetricsSoFar:
     Lines that are not records are skipped (and counted) where a kept record follows them; after the last
     kept record everything is cut: later steps, and a line a crash left half-written.
     """
-    if not path.exists():
+    try:  # the run's own file: never a link, a FIFO or a device
+        data = safe_io.read_bytes(path, MAX_METRICS_BYTES, what="a metrics log", follow=False)
+    except safe_io.MissingFile:
         return MetricsSoFar([], 0, [])
+    except safe_io.FileError as e:
+        raise TrainError(str(e)) from None
     kept, skipped, pending, size, offset = [], [], [], 0, 0
-    for number, line in enumerate(path.read_bytes().splitlines(keepends=True), 1):
+    for number, line in enumerate(data.splitlines(keepends=True), 1):
         offset += len(line)
         record = _record(line) if line.endswith(b"\n") else None
         if record is None:
@@ -520,7 +526,10 @@ class MetricsLog:
 
     def __init__(self, path: Path, size: int):
         self.path, self.size = path, size
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:  # O_NOFOLLOW, a regular file with one name: a link planted in the run folder is refused
+            self.fd = safe_io.open_append(path)
+        except safe_io.FileError as e:
+            raise TrainError(str(e)) from None
         os.ftruncate(self.fd, size)
 
     def append(self, record: dict) -> None:

@@ -6,9 +6,7 @@ Every failure becomes a `SpecError` whose lines read `file:line:col: field.path:
 from __future__ import annotations
 
 import difflib
-import os
 import re
-import stat
 import types
 import typing
 from dataclasses import dataclass
@@ -18,6 +16,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ValidationError
 
+from k3compile import safe_io
 from k3compile.spec.schema import FieldError, Spec
 
 MAX_FILE_BYTES = 1 << 20  # a spec is a page of YAML, not a data set
@@ -131,16 +130,20 @@ def _one_line(text: str) -> str:
     return " ".join(text.split())
 
 
-def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
+def _parse_yaml(text: str, file: str, spec: bool = True) -> tuple[Any, dict]:
+    """(plain data, where each path came from) of YAML text; a spec must be a non-empty mapping (`spec=False`:
+    any document, None when empty)."""
     locs: dict[Path_, Loc] = {}
     try:
         loader = yaml.SafeLoader(text)
         try:
             root = loader.get_single_node()
+            if root is None and not spec:
+                return None, locs
             if root is None:
                 raise SpecError([f"{file}:1:1: <spec>: the file is empty"])
             locs[()] = _mark(file, root)
-            if not isinstance(root, yaml.MappingNode):
+            if spec and not isinstance(root, yaml.MappingNode):
                 raise _err(_mark(file, root), (), "the top level must be a mapping of fields")
             data = _to_python(root, file, (), locs, _Budget(), loader)
         finally:
@@ -157,36 +160,25 @@ def _parse_yaml(text: str, file: str) -> tuple[dict, dict]:
     return data, locs
 
 
-def _read(path: Path, loc: Loc | str, field: Path_) -> str:
-    """The text of a spec file: a regular file, read up to the cap (its st_size is not trusted).
+def _read(path: Path, loc: Loc | str, field: Path_, what: str = "a spec") -> str:
+    """The text of a spec file through the bounded reader (k3compile.safe_io): a regular file of at most
+    MAX_FILE_BYTES, read up to that cap (its st_size is not trusted); devices (/dev/zero), pipes and sockets are
+    refused before any read."""
+    try:
+        return safe_io.read_text(path, MAX_FILE_BYTES, what=what)
+    except safe_io.MissingFile:
+        raise _err(loc, field, f"no such file: {safe_io.shown(_display(path))}") from None
+    except safe_io.FileError as e:
+        raise _err(loc, field, str(e)) from None
 
-    Devices (/dev/zero), pipes and sockets are refused before any read: their size says 0 and they may
-    never end or, for a FIFO, never start (the open does not block: O_NONBLOCK).
-    """
+
+def _resolve(path: Path, loc: Loc | str, field: Path_) -> Path:
+    """`path` with symbolic links resolved; a link loop, an over-long name or a NUL byte is a SpecError."""
     try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except FileNotFoundError:
-        raise _err(loc, field, f"no such file: {path}") from None
-    except OSError as e:
-        raise _err(loc, field, f"cannot read {path}: {e.strerror}") from None
-    try:
-        mode = os.fstat(fd).st_mode
-        if stat.S_ISDIR(mode):
-            raise _err(loc, field, f"{path} is a directory, not a spec file")
-        if not stat.S_ISREG(mode):
-            raise _err(loc, field, f"{path} is not a regular file (a device, pipe or socket); a spec is a file")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            data = f.read(MAX_FILE_BYTES + 1)
-    except OSError as e:
-        raise _err(loc, field, f"cannot read {path}: {e.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(data) > MAX_FILE_BYTES:
-        raise _err(loc, field, f"{path} is over {MAX_FILE_BYTES} bytes; a spec may be at most {MAX_FILE_BYTES}")
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError:
-        raise _err(loc, field, f"{path} is not UTF-8 text") from None
+        return path.resolve()
+    except (OSError, RuntimeError, ValueError) as e:  # RuntimeError: a link loop (before Python 3.13)
+        why = "a symbolic-link loop" if isinstance(e, RuntimeError) else getattr(e, "strerror", None) or str(e)
+        raise _err(loc, field, f"cannot resolve {safe_io.shown(path)}: {why}") from None
 
 
 # ---------------------------------------------------------------- extends and overrides
@@ -204,7 +196,7 @@ def _load_file(
     path: Path, chain: tuple[Path, ...], loc: Loc | str, field: Path_, root: Path | None
 ) -> tuple[dict, dict]:
     """A spec file merged over the files its `extends:` chain names; `root` bounds where those lie (None: anywhere)."""
-    path = path.resolve() if path.exists() else path
+    path = _resolve(path, loc, field)
     if path in chain:
         cycle = " -> ".join(p.name for p in chain + (path,))
         raise _err(loc, field, f"extends cycle: {cycle}")
@@ -217,7 +209,7 @@ def _load_file(
     if parent is None:
         return data, locs
     ploc = locs[("extends",)]
-    if not isinstance(parent, str) or not parent:
+    if not isinstance(parent, str) or not parent or "\0" in parent:
         raise _err(ploc, ("extends",), "extends must be a relative path to another spec file")
     target = _extends_target(path, parent, ploc, root)
     base, base_locs = _load_file(target, chain + (path,), ploc, ("extends",), root)
@@ -228,7 +220,7 @@ def _load_file(
 def spec_root(path: Path) -> Path:
     """Where `extends:` may lead from the spec at `path`: the working folder when the spec lies inside it
     (unless that is the filesystem root), else the spec's own folder."""
-    cwd, spec = Path.cwd().resolve(), Path(path).resolve()
+    cwd, spec = Path.cwd().resolve(), _resolve(Path(path), f"{safe_io.shown(path)}:1:1", ())
     return cwd if spec.is_relative_to(cwd) and cwd != Path(cwd.anchor) else spec.parent
 
 
@@ -240,7 +232,7 @@ def _extends_target(spec_file: Path, parent: str, loc: Loc, root: Path | None) -
     if Path(parent).is_absolute():
         raise _err(loc, ("extends",), f"{parent!r} is an absolute path; extends takes a path relative to the "
                    "spec (--extends-anywhere allows others)")
-    if not target.resolve().is_relative_to(root):
+    if not _resolve(target, loc, ("extends",)).is_relative_to(root):
         raise _err(loc, ("extends",), f"{parent!r} leads outside the spec root {root} (the working folder, or "
                    "the spec's own when it lies outside that); --extends-anywhere allows it")
     return target
@@ -421,6 +413,14 @@ def load_spec(path: str | Path, overrides: list[str] | tuple[str, ...] = (), ext
     for i, text in enumerate(overrides, 1):
         _apply_override(data, locs, text, i)
     return _validate(data, locs, f"{_display(path)}:1:1")
+
+
+def read_yaml(path: str | Path, what: str = "a study") -> Any:
+    """The plain data of a YAML file that is not a spec (a study), read and parsed exactly as a spec is: the
+    bounded reader, the safe subset (no tags), the node budget and the nesting limit; None for an empty file.
+    A problem is a SpecError naming the file."""
+    path = Path(path)
+    return _parse_yaml(_read(path, f"{_display(path)}:1:1", (), what), _display(path), spec=False)[0]
 
 
 def load_spec_text(text: str, file: str = "<string>") -> Spec:

@@ -20,6 +20,8 @@ MAX_INTERMEDIATE = 1_048_576
 MAX_EXPERTS = 65_536
 MAX_CONTEXT = 1 << 26
 MAX_DEGREE = 65_536
+MAX_BATCH = 1 << 24
+MAX_WORLD = 1 << 20  # GPUs in one job (what `plan` enumerates)
 
 MIXER_KDA = "K"
 MIXER_MLA = "M"
@@ -329,7 +331,7 @@ class Training(_Frozen):
     lr: float = Field(default=2e-3, gt=0, le=10, description="Peak learning rate.")
     weight_decay: float = Field(default=0.1, ge=0, le=10, description="Decoupled weight decay.")
     schedule: Schedule = Field(default_factory=Schedule, description="Learning-rate schedule.")
-    batch_size: Annotated[int, Field(ge=1, le=1 << 24)] = Field(default=8, description="Sequences per step.")
+    batch_size: Annotated[int, Field(ge=1, le=MAX_BATCH)] = Field(default=8, description="Sequences per step.")
     seq_len: Annotated[int, Field(ge=2, le=MAX_CONTEXT)] = Field(
         default=256, description="Tokens per sequence (at least 2: the loss predicts each token from those before)."
     )

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch import nn
 
+from k3compile import safe_io
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime.muon import PerHeadMuon
 
@@ -64,7 +65,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypat
     model = Net()
     ckpt.save(tmp_path, 1, _state(model, 1.0), {})
     before = sorted(p.name for p in tmp_path.iterdir())
-    real, calls = ckpt._write_all, []
+    real, calls = safe_io._write_all, []
 
     def full(fd, data):
         calls.append(fd)
@@ -73,7 +74,7 @@ def test_disk_full_keeps_the_previous_checkpoint_and_says_so(tmp_path, monkeypat
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, data)
 
-    monkeypatch.setattr(ckpt, "_write_all", full)
+    monkeypatch.setattr(safe_io, "_write_all", full)
     with pytest.raises(ckpt.CheckpointError) as e:
         ckpt.save(tmp_path, 2, _state(model, 2.0), {})
     message = str(e.value)

@@ -246,3 +246,41 @@ def test_the_eager_definition_quantized_as_trained_equals_the_qat_training_model
             assert rel(grads[n].grad, p.grad) <= 1e-4, n
         else:  # a site with one source: its query's gradient is exactly zero
             assert grads[n].grad.norm() == 0, n
+
+
+@pytest.mark.parametrize("tokens, why", [
+    (torch.zeros(0, 8, dtype=torch.long), "holds no sequence or no position"),
+    (torch.zeros(2, 0, dtype=torch.long), "holds no sequence or no position"),
+    (torch.zeros(2, 8), "must hold integer token ids, got torch.float32"),
+    (torch.zeros(2, 8, dtype=torch.bool), "must hold integer token ids"),
+    (torch.full((2, 8), 256), r"ids must be in \[0, 256\), got 256..256"),
+    (torch.full((2, 8), -100), r"ids must be in \[0, 256\)"),
+    (torch.zeros(8, dtype=torch.long), r"must be a tensor \[batch, time\]"),
+    ([[1, 2]], r"must be a tensor \[batch, time\]"),
+])  # fmt: skip
+def test_emitted_models_refuse_input_they_cannot_take_in_one_line(small_build, tokens, why):
+    """B = 0, T = 0, float tokens and ids past the vocabulary were internal errors (a raw IndexError); now one
+    ValueError line, the same from Model and InferenceModel."""
+    package = k3compile.load(small_build)
+    for run in (package.Model(), lambda t: package.InferenceModel().prefill(t)):
+        with pytest.raises(ValueError, match=why) as e:
+            run(tokens)
+        assert "\n" not in str(e.value)
+
+
+def test_emitted_models_refuse_more_positions_than_the_context(small_build):
+    """Model accepted T > context_length, which InferenceModel refused; both refuse it now. Labels are checked too."""
+    package = k3compile.load(small_build)
+    model = package.Model()
+    too_long = torch.zeros(1, model.spec.context_length + 1, dtype=torch.long)
+    for run in (model, package.InferenceModel()):
+        with pytest.raises(ValueError, match="more than context_length"):
+            run(too_long)
+    tokens = torch.zeros(2, 8, dtype=torch.long)
+    with pytest.raises(ValueError, match="labels ids must be in"):
+        model(tokens, torch.full((2, 8), 300))
+    with pytest.raises(ValueError, match="must be shaped like tokens"):
+        model(tokens, tokens[:, :4])
+    labels = tokens.clone()
+    labels[0, 3] = -100  # ignored positions are labels too
+    assert torch.isfinite(model(tokens, labels))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import k3compile
+from k3compile import safe_io
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime.data import load_corpus
 from k3compile.runtime.muon import muon_precision
@@ -84,7 +85,7 @@ def test_resume_reproduces_an_uninterrupted_run_exactly(build, tmp_path, corpus_
 
 
 def test_disk_full_during_training_keeps_the_previous_checkpoint(build, tmp_path, corpus_file, monkeypatch):
-    real, calls = ckpt._write_all, []
+    real, calls = safe_io._write_all, []
 
     def full_on_second_save(fd, data):
         calls.append(fd)
@@ -92,7 +93,7 @@ def test_disk_full_during_training_keeps_the_previous_checkpoint(build, tmp_path
             raise OSError(errno.ENOSPC, "No space left on device")
         real(fd, data)
 
-    monkeypatch.setattr(ckpt, "_write_all", full_on_second_save)
+    monkeypatch.setattr(safe_io, "_write_all", full_on_second_save)
     with pytest.raises(ckpt.CheckpointError, match="No space left on device; the previous checkpoint step-000001"):
         _train(build, tmp_path / "run", 2, corpus_file, FAST, eval_every=1)
     assert ckpt.committed(tmp_path / "run" / "checkpoints") == [1]

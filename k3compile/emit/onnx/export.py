@@ -25,7 +25,6 @@ table) and no target opset, and step 1 converts the opset itself. torch is pinne
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import operator
 import os
@@ -52,6 +51,7 @@ from torch.onnx._internal.exporter import _core, _fx_passes, _registration
 from torch.onnx._internal.fx import passes
 from torch.onnx._internal.fx.passes import type_promotion
 
+from k3compile import safe_io
 from k3compile.emit.onnx import DEFAULT_OPSET, FP4_MIN_OPSET, GRAPHS, MAX_OPSET, MIN_OPSET, MX_REPRESENTATIONS, WEIGHTS
 from k3compile.emit.onnx import functions as k3fn
 from k3compile.emit.onnx import translate
@@ -185,7 +185,10 @@ def _load_build(build: str | Path) -> tuple[ModuleType, dict]:
         raise ExportError(str(e)) from None
     except (ImportError, SyntaxError) as e:
         raise ExportError(f"{build}: cannot import the build ({type(e).__name__}: {e}); rebuild it") from None
-    manifest = json.loads((Path(package.__file__).parent / "manifest.json").read_text())
+    try:  # verified by load; read again through the bounded reader (a build holds no links)
+        manifest = safe_io.read_json(Path(package.__file__).parent / "manifest.json", follow=False)
+    except safe_io.FileError as e:
+        raise ExportError(f"{e}; rebuild it") from None
     return package, manifest
 
 
