@@ -20,7 +20,7 @@ from k3compile.spec.schema import Spec
 TINY = Path(__file__).resolve().parents[2] / "specs" / "k3-tiny.yaml"
 TINY_DICT = yaml.safe_load(TINY.read_text())
 # file:line:col: field.path: what -- a path part with spaces or colons comes quoted, e.g. moe.' x'
-LINE_RE = re.compile(r"^\S.*?:\d+:\d+: (\S+|\S*(['"]).*\2\S*): \S.*$")  # a key with spaces is quoted as repr() quotes it
+LINE_RE = re.compile(r"""^\S.*?:\d+:\d+: (\S+|\S*(['"]).*\2\S*): \S.*$""")  # a key with spaces is quoted as repr() quotes it
 
 FUZZ = settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
