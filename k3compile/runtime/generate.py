@@ -147,8 +147,24 @@ def pack_training_state(model, state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {name: model.local_rows(name, t) for name, t in out.items()}
 
 
-def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path | None = None):
-    """The build's InferenceModel (eval mode, CPU) with a training checkpoint's weights packed in.
+def serving_device(module: ModuleType, build: str | Path | ModuleType | None = None) -> torch.device:
+    """The device a build serves on here (cuda:LOCAL_RANK for a GPU target); a one-line GenerateError where this
+    machine cannot run its kernels."""
+    from k3compile.runtime.device import DeviceError, runtime_device
+
+    target = getattr(module, "TARGET", "cpu")
+    where = build if isinstance(build, (str, Path)) else "the build"
+    try:
+        return runtime_device(target, f"{where} was built for {target}")
+    except DeviceError as e:
+        raise GenerateError(str(e)) from None
+
+
+def load_inference_model(
+    build: str | Path | ModuleType, checkpoint: str | Path | None = None, device: torch.device | str | None = None
+):
+    """The build's InferenceModel (eval mode) with a training checkpoint's weights packed in, on `device`
+    (default: the build's, `serving_device`).
 
     Without a checkpoint, the seeded initial weights. Every weight in InferenceModel.PACKED
     is MX-quantised into its `<w>_mx` / `<w>_scale` buffers; everything else is copied by name.
@@ -157,18 +173,19 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
     from k3compile.runtime.shards import weights_class
 
     module = load_build(build)
+    device = torch.device(device) if device is not None else serving_device(module, build)
     check_weights(module, checkpoint)
     if not hasattr(module, "InferenceModel"):
         raise GenerateError(f"{build}: a train-only build has no InferenceModel; build with --mode infer or both")
     if checkpoint is None:
-        return module.InferenceModel().eval()
+        return module.InferenceModel(device=device).eval()
     model = module.InferenceModel(device="meta")
     if weights_class(checkpoint) == "InferenceModel":
         own = {k: model.full_shape(k, tuple(v.shape)) for k, v in model.state_dict().items()}
         state = {k: model.local_rows(k, v) for k, v in read_training_state(checkpoint, own, model.spec).items()}
     else:
         state = pack_training_state(model, read_training_state(checkpoint, _training_shapes(model), model.spec))
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
