@@ -137,11 +137,12 @@ class GeneratedModule(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Seeded, documented init (k3compile.modules.init); every buffer back to zero (the routing statistics
-        and the selection bias start there), packed MX buffers quantise their weight's init."""
+        """Seeded, documented init (k3compile.modules.init), drawn on the parameters' device; every buffer back to
+        zero (the routing statistics and the selection bias start there), packed MX buffers quantise their
+        weight's init."""
         for name, p in self.named_parameters():
             full = self.full_shape(name, tuple(p.shape))
-            value = initial_value(name, full, self.spec)
+            value = initial_value(name, full, self.spec, p.device)
             p.copy_(self.local_rows(name, value))
         stacked = {name for name, _ in self.MERGED}
         for name, b in self.named_buffers():
@@ -151,7 +152,8 @@ class GeneratedModule(nn.Module):
         for weight, pack in self.PACKED.items():
             from k3compile.ops.mx import mx_quantize
 
-            data, scale = mx_quantize(initial_value(weight, tuple(pack["shape"]), self.spec), pack["fmt"], pack["block"])
+            value = initial_value(weight, tuple(pack["shape"]), self.spec, buffers[pack["data"]].device)
+            data, scale = mx_quantize(value, pack["fmt"], pack["block"])
             buffers[pack["data"]].copy_(self.local_rows(pack["data"], data.view(buffers[pack["data"]].dtype)))
             buffers[pack["scale"]].copy_(self.local_rows(pack["scale"], scale))
 
