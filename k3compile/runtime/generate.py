@@ -4,8 +4,9 @@
 InferenceModel (packing the MX weights). `generate_tokens` serves through its compiled graphs:
 the prefill graph runs the prompt (KDA chunked form, MLA latents written to the preallocated
 cache), then each new token is one step of the decode graph through the fp32 KDA state, the
-short-conv tails and the MLA latent cache. `generate_batch` decodes prompts of different lengths
-together. `stream_text` turns bytes into text as soon as they form valid UTF-8.
+short-conv tails and the MLA latent cache; on a GPU each step is one replay of the step captured
+as a CUDA graph (k3compile.runtime.decode_graph). `generate_batch` decodes prompts of different
+lengths together. `stream_text` turns bytes into text as soon as they form valid UTF-8.
 """
 
 from __future__ import annotations
@@ -261,6 +262,21 @@ def sample_next(logits_V: Tensor, temperature: float, top_p: float, generator: t
 # ---------------------------------------------------------------- the loop
 
 
+def decoder(model, cache: DecodeCache) -> tuple[Callable[[Tensor], Tensor], DecodeCache]:
+    """(step: tokens [B] -> logits [B, 1, V] of the next position, the cache it advances) from a prefilled cache:
+    on a GPU a replay of the model's captured decode graph for the batch's bucket (the logits are its static output,
+    overwritten by the next step), elsewhere the eager decode graph."""
+    if cache.positions.device.type == "cuda":
+        runner = model.decode_graph_runner(len(cache.lengths), cache.max_len)
+        runner.load(cache)
+        return runner.decode, runner.cache
+
+    def step(tokens: Tensor) -> Tensor:
+        return model.decode(tokens, cache)[0]
+
+    return step, cache
+
+
 def generate_tokens(
     model,
     prompt: list[int],
@@ -282,13 +298,13 @@ def generate_tokens(
     device = next(iter(model.state_dict().values())).device
     with torch.no_grad():
         logits, cache = model.prefill(torch.tensor([prompt], device=device), len(prompt) + max_new_tokens)
+        step, cache = decoder(model, cache)
         logits = logits[0, -1]
         for i in range(max_new_tokens):
             token = sample_next(logits.cpu(), temperature, top_p, generator)
             yield token
             if i + 1 < max_new_tokens:
-                logits, cache = model.decode(torch.tensor([token], device=device), cache)
-                logits = logits[0, -1]
+                logits = step(torch.tensor([token], device=device))[0, -1]
     if on_cache is not None:
         on_cache(cache)
 
@@ -309,13 +325,14 @@ def generate_batch(
     out: list[list[int]] = [[] for _ in prompts]
     with torch.no_grad():
         logits, cache = model.prefill_batch([torch.tensor(p, device=device) for p in prompts], max_len)
+        step, cache = decoder(model, cache)
         for i in range(max_new_tokens):
-            tokens = [sample_next(row.cpu(), temperature, top_p, generator) for row in logits]
+            rows = logits.cpu()  # the batch's logits in one copy
+            tokens = [sample_next(row, temperature, top_p, generator) for row in rows]
             for seq, t in zip(out, tokens):
                 seq.append(t)
             if i + 1 < max_new_tokens:
-                logits, cache = model.decode(torch.tensor(tokens, device=device), cache)
-                logits = logits[:, -1]
+                logits = step(torch.tensor(tokens, device=device))[:, -1]
     return out
 
 

@@ -283,6 +283,19 @@ class InferenceModule(GeneratedModule):
         cache.lengths = [n + 1 for n in cache.lengths]
         return logits, cache
 
+    def decode_graph_runner(self, batch: int, max_len: int, capture: bool | None = None):
+        """The decode step for `batch` sequences with caches of `max_len` tokens as a CUDA graph (on CUDA; eager over
+        the same static buffers elsewhere): a `k3compile.runtime.decode_graph.DecodeGraph` for the batch's bucket,
+        captured once and kept (one per bucket and max_len). `load(cache)` it with a prefilled cache, then
+        `decode(tokens)` replays one step."""
+        from k3compile.runtime.decode_graph import DecodeGraph, bucket
+
+        graphs = self.__dict__.setdefault("_decode_graphs", {})
+        key = (bucket(batch), max_len, capture)
+        if key not in graphs:
+            graphs[key] = DecodeGraph(self, key[0], max_len, capture)
+        return graphs[key]
+
     @torch.no_grad()
     def dense_state_dict(self) -> dict[str, Tensor]:
         """The training Model's state_dict this model serves: packed weights dequantised (fp32), the rest as is."""
