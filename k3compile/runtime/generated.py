@@ -107,6 +107,7 @@ class GeneratedModule(nn.Module):
         """Stack each MERGED group's weights by rows, hold the stack's transpose as its buffer (not saved) and make
         the weights views of its rows, so the decode graph's one matmul and the prefill graph's per-weight
         matmuls read the same memory."""
+        self.__dict__.pop("_decode_graphs", None)  # captured decode steps read the old tensors: capture again
         groups: dict[str, list[str]] = {}
         for stacked, member in self.MERGED:
             groups.setdefault(stacked, []).append(member)

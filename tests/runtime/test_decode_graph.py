@@ -101,3 +101,14 @@ def test_generation_on_cpu_keeps_the_eager_decode(model, monkeypatch):
     monkeypatch.setattr(type(model), "decode_graph_runner", lambda *a, **k: pytest.fail("no graph on CPU"))
     out = generate_batch(model, [p.tolist() for p in _prompts(2)], 4, temperature=0.0)
     assert [len(o) for o in out] == [4, 4]
+
+
+def test_new_weights_drop_the_captured_steps(model):
+    """A captured step reads the weights' addresses: loading a state_dict (which re-stacks the merged projections)
+    or moving the model makes the next request capture again."""
+    a = model.decode_graph_runner(1, MAX_LEN, capture=False)
+    model.load_state_dict(model.state_dict())
+    b = model.decode_graph_runner(1, MAX_LEN, capture=False)
+    assert b is not a
+    model.float()
+    assert model.decode_graph_runner(1, MAX_LEN, capture=False) is not b
