@@ -10,8 +10,9 @@ TorchFunctionMode sees the Tensor methods that copy to the host and the torch fu
 depends on values; a TorchDispatchMode (`ops=True`) also sees the aten ops those become, inside composite ops
 too. The dispatch mode cannot watch a backward that runs torch.func inside a custom op (functorch's wrappers
 do not pass through a Python dispatch mode), so a training step is watched with `ops=False`. Neither sees inside
-an op the dispatcher runs (a mode is off while its handler runs): the tests watch the graphs over the ops'
-PyTorch references called directly, and a GPU build's Triton wrappers are checked by the capture itself.
+a custom op the dispatcher runs (a mode is off while its handler runs): a k3 op called as `torch.ops.k3.<op>`
+is watched from outside only (its call, not its implementation), while ops called directly (a CPU build's
+`k3compile.ops.direct`) are watched inside too. Inside a GPU build's k3 ops, the CUDA graph capture is the check.
 """
 
 from __future__ import annotations

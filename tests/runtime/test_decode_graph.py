@@ -1,7 +1,7 @@
 """The decode step a GPU captures as a CUDA graph, checked on CPU under the same static-buffer discipline: no host
 read and no value-dependent shape inside the step, every buffer at a fixed address from step to step, the numbers
 of the eager decode. On the graph a GPU build serves (built for h200 with its ops left unbound, so they run their
-PyTorch references on CPU tensors)."""
+PyTorch references on CPU tensors), its k3 ops watched from outside (k3compile.runtime.syncs)."""
 
 from __future__ import annotations
 

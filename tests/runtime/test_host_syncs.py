@@ -1,7 +1,8 @@
 """A training step reads nothing on the host: its loss, gradient norm and routing statistics stay on the device
 until the log interval's one read (what lets a GPU run ahead of the host). Checked on CPU by recording every op and
 Tensor method that would make the host wait (k3compile.runtime.syncs), on the graph a GPU build trains (built for
-h200 with its ops left unbound, so they run their PyTorch references on CPU tensors)."""
+h200 with its ops left unbound, so they run their PyTorch references on CPU tensors). The k3 ops are watched from
+outside (k3compile.runtime.syncs): what is checked is everything around them, the emitted step and the trainer."""
 
 from __future__ import annotations
 
