@@ -167,6 +167,27 @@ def section(bench: Bench, name: str, fn: Callable[[Bench], None], limit: float) 
     bench.say(f"--- {name}: {time.perf_counter() - start:.1f} s")
 
 
+@contextlib.contextmanager
+def host_syncs(device):
+    """On CUDA, the messages of every synchronisation the host makes inside (torch.cuda's sync debug mode); else None."""
+    import warnings
+
+    import torch
+
+    if device.type != "cuda":
+        yield None
+        return
+    found: list[str] = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield found
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    found += [" ".join(str(w.message).split())[:120] for w in caught if "synchroniz" in str(w.message)]
+
+
 # ---------------------------------------------------------------- sections
 
 
@@ -267,8 +288,13 @@ def train_speed(bench: Bench) -> None:
         read_steps([train_step(run, s, 100) for s in range(2)])  # compiles the kernels
         steps = bench.shapes.train_steps
         start = time.perf_counter()
-        records = read_steps([train_step(run, 2 + s, 100) for s in range(steps)])  # one read, at the end
+        with host_syncs(bench.device) as syncs:
+            pending = [train_step(run, 2 + s, 100) for s in range(steps)]
+        records = read_steps(pending)  # one read, at the end
         seconds = time.perf_counter() - start
+        if syncs is not None:
+            bench.row("k3-tiny training step", f"precision {precision}: host synchronisations in {steps} steps",
+                      f"{len(syncs)}" + (f" (first: {syncs[0]})" if syncs else ""), "0", not syncs)  # fmt: skip
         tokens = spec.training.batch_size * spec.training.seq_len
         label = f"training.precision={precision} ({'bf16 autocast' if run.compute else 'fp32'})"
         bench.row("k3-tiny training step", f"{label}, batch {spec.training.batch_size} x {spec.training.seq_len}",
