@@ -169,7 +169,8 @@ def section(bench: Bench, name: str, fn: Callable[[Bench], None], limit: float) 
 
 @contextlib.contextmanager
 def host_syncs(device):
-    """On CUDA, the messages of every synchronisation the host makes inside (torch.cuda's sync debug mode); else None."""
+    """On CUDA, the messages of every synchronisation the host makes inside (torch.cuda's sync debug mode); else
+    None."""
     import warnings
 
     import torch
@@ -238,8 +239,8 @@ def compare_training(bench: Bench) -> None:
         loss.backward()
         losses[name] = float(loss)
     diff = abs(losses["gpu"] - losses["cpu"])
-    bench.row("train step, cpu vs gpu build (fp32)", f"loss, absolute difference (cpu {losses['cpu']:.6f})", f"{diff:.2e}",
-              "<= 1e-4", diff <= 1e-4)  # fmt: skip
+    bench.row("train step, cpu vs gpu build (fp32)", f"loss, absolute difference (cpu {losses['cpu']:.6f})",
+              f"{diff:.2e}", "<= 1e-4", diff <= 1e-4)  # fmt: skip
     errors = {n: _rel(p.grad, dict(cpu.named_parameters())[n].grad) for n, p in gpu.named_parameters()}
     worst = max(errors, key=errors.get)
     bench.row("train step, cpu vs gpu build (fp32)", f"largest gradient difference, relative ({worst})",
@@ -337,7 +338,8 @@ def decode_speed(bench: Bench) -> None:
             if graph and batch == 1:
                 target, ok = f"<= {DECODE_BATCH_1_MS} ms", ms <= DECODE_BATCH_1_MS
             elif graph and batch == 64:
-                target, ok = f">= {DECODE_BATCH_64_TOKENS_PER_S:,} tok/s", batch * 1e3 / ms >= DECODE_BATCH_64_TOKENS_PER_S
+                target = f">= {DECODE_BATCH_64_TOKENS_PER_S:,} tok/s"
+                ok = batch * 1e3 / ms >= DECODE_BATCH_64_TOKENS_PER_S
             if bench.args.dry_run:  # speed targets are the GPU's
                 ok = None
             bench.row("k3-tiny decode", f"batch {batch}, {how}, {bench.shapes.prompt}-token prompts",
@@ -426,7 +428,8 @@ def train_run(bench: Bench) -> None:
     cpu = bench.args.cpu_val_loss
     gap = (final - cpu) / cpu
     if math.isnan(cpu):  # --dry-run: nothing to compare with
-        bench.row(f"k3-tiny {steps} steps on {bench.device.type}", f"final validation loss ({time.perf_counter() - start:.0f} s)",
+        seconds = time.perf_counter() - start
+        bench.row(f"k3-tiny {steps} steps on {bench.device.type}", f"final validation loss ({seconds:.0f} s)",
                   f"{final:.4f}")  # fmt: skip
         return
     bench.row(f"k3-tiny {steps} steps on {bench.device.type}",

@@ -74,7 +74,8 @@ def _masks(args) -> bool:
 def _shape_from_values(func, args) -> bool:
     """Whether this call's output shape depends on tensor values (aten.index is so only with a boolean mask)."""
     if func in (torch.ops.aten.index.Tensor, torch.ops.aten.index_put.default, torch.ops.aten.index_put_.default):
-        return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in args[1] if i is not None)
+        masks = (torch.bool, torch.uint8)
+        return any(isinstance(i, torch.Tensor) and i.dtype in masks for i in args[1] if i is not None)
     return torch.Tag.dynamic_output_shape in func.tags
 
 

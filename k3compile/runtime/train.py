@@ -105,8 +105,9 @@ def resolve(
 
 
 def run_device(package: ModuleType | None, spec: Spec | None = None, path: str | Path | None = None) -> torch.device:
-    """The device the build `package` (at `path`), or before it is built `spec`'s target, trains on here (cuda:LOCAL_RANK
-    for a GPU target, k3compile.runtime.device); a one-line TrainError where this machine cannot run it."""
+    """The device the build `package` (at `path`), or before it is built `spec`'s target, trains on here
+    (cuda:LOCAL_RANK for a GPU target, k3compile.runtime.device); a one-line TrainError where this machine cannot
+    run it."""
     if package is not None:
         target = getattr(package, "TARGET", "cpu")
         what, fix = f"{path or 'the build'} was built for {target}", "rebuild it with --target cpu"
