@@ -22,7 +22,8 @@ import torch
 
 from k3compile.ablation.mqar import MQAR, accuracy_by_query, held_out
 from k3compile.ablation.run import MQAR_HELD_OUT, mqar_run
-from k3compile.runtime.train import EVAL_BATCHES, build_package, train_step
+from k3compile.runtime.device import to_device
+from k3compile.runtime.train import EVAL_BATCHES, build_package, read_steps, train_step
 from k3compile.spec.load import load_spec
 
 
@@ -45,10 +46,12 @@ def main() -> None:
         package = build_package(spec, Path(tmp) / "build", lambda *a: None, mode="train")
         run = mqar_run(spec, package, task, Path(tmp) / "run")
         val = held_out(task, MQAR_HELD_OUT, spec.training.batch_size * EVAL_BATCHES, args.seed)
+        val = to_device(tuple(val), run.layout.device)
         cpu0, wall0 = time.process_time(), time.perf_counter()
         for step in range(args.steps):
-            record = train_step(run, step, args.steps)
-            if record["step"] % args.every == 0 or record["step"] == args.steps:
+            pending = train_step(run, step, args.steps)
+            if pending.step % args.every == 0 or pending.step == args.steps:
+                (record,) = read_steps([pending])
                 by_query = accuracy_by_query(run.model, val)
                 mean = sum(by_query) / len(by_query)
                 queries = " ".join(f"{a:.2f}" for a in by_query)

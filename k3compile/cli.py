@@ -231,6 +231,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--init-from", type=_path, metavar="WEIGHTS",
                    help="start from these weights instead of the seeded init: a weights folder (import-hf's output) "
                    "or a checkpoint")
+    p.add_argument("--log-every", type=_positive, metavar="K",
+                   help="log the steps' numbers and update the progress bar every K steps (default: 1 on the CPU, 10 "
+                   "on a GPU, where reading a loss makes the host wait for the GPU)")
     p.add_argument("--nproc", type=_positive, default=1, metavar="N",
                    help="train in N local processes (started with torch.distributed.run, gloo on CPU, NCCL on CUDA): "
                    "world N = dp x ep from the spec's parallel section (dp inferred as N / ep when left at 1); "
@@ -378,9 +381,8 @@ def _cmd_generate(args) -> None:
     import time
 
     from k3compile.runtime.generate import (
-        GenerateError, build_spec, check_request, check_runnable, check_weights, encode, generate_tokens, load_build,
-        load_inference_model,
-        stream_text,
+        GenerateError, build_spec, check_request, check_weights, encode, generate_tokens, load_build,
+        load_inference_model, serving_device, stream_text,
     )
     from k3compile.runtime import distributed
 
@@ -389,7 +391,7 @@ def _cmd_generate(args) -> None:
     layout = None
     try:
         module = load_build(args.build)
-        check_runnable(module, args.build)
+        device = serving_device(module, args.build)  # a GPU build on a machine without a GPU: one line
         spec = build_spec(module)
         if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
             distributed.degrees(spec, args.nproc)  # the layout's error in one line, before any process starts
@@ -397,11 +399,11 @@ def _cmd_generate(args) -> None:
         prompt = encode(args.prompt)
         check_request(spec, prompt, args.max_new_tokens, args.temperature, args.top_p)
         check_weights(module, args.checkpoint)
-        layout = distributed.start(spec, training=False)
+        layout = distributed.start(spec, training=False, device=device)
         distributed.use_experts(layout)  # this rank holds and runs only its experts
         if args.checkpoint is None and layout.main:
             print(f"note: no --checkpoint: using the seeded initial weights of {args.build}", file=sys.stderr)
-        model = load_inference_model(module, args.checkpoint)
+        model = load_inference_model(module, args.checkpoint, device)
         caches = []
         start = time.perf_counter()
         tokens = generate_tokens(model, prompt, args.max_new_tokens, args.temperature, args.top_p, args.seed,
@@ -473,7 +475,7 @@ def _cmd_train(args) -> None:
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
               eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from,
-              extends_anywhere=args.extends_anywhere)
+              extends_anywhere=args.extends_anywhere, log_every=args.log_every)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
 

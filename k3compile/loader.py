@@ -104,16 +104,13 @@ def shapes_only(module: ModuleType) -> bool:
 def check_target(module: ModuleType, path: Path | str) -> None:
     """A build for a GPU target calls Triton kernels: refuse it in one line where there is no GPU to run them
     (unless Triton's interpreter is on), rather than failing inside the first kernel."""
-    import torch
-
-    from k3compile.kernels.launch import interpreting
+    from k3compile.runtime.device import DeviceError, runtime_device
 
     target = getattr(module, "TARGET", "cpu")
-    if target != "cpu" and not torch.cuda.is_available() and not interpreting():
-        raise BuildLoadError(
-            f"{path} was built for {target} (Triton kernels) and this machine has no GPU; rebuild it with "
-            "--target cpu, or set TRITON_INTERPRET=1 to run the kernels through Triton's interpreter (slow)"
-        )
+    try:
+        runtime_device(target, f"{path} was built for {target}")
+    except DeviceError as e:
+        raise BuildLoadError(str(e)) from None
 
 
 def _module(name: str, file: Path, package: bool) -> ModuleType:

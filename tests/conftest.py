@@ -219,3 +219,15 @@ def small_corpus(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_bytes(load_corpus(None, max_bytes=40_000).data)
     return path
+
+
+# k3-tiny's features (KKKM with a final M, block AttnRes, latent MoE with MXFP4 experts and quantile balancing)
+# at toy width: builds and trains in seconds.
+TOY_K3 = (
+    "hidden_size=64", "num_layers=4", "context_length=128", "training.seq_len=32", "training.batch_size=2",
+    "kda.num_heads=2", "kda.head_dim=32",
+    "mla.num_heads=2", "mla.q_lora_rank=32", "mla.kv_lora_rank=32", "mla.qk_nope_head_dim=16",
+    "mla.qk_rope_head_dim=16", "mla.v_head_dim=32",
+    "dense_ffn.intermediate_size=128", "moe.num_experts=8", "moe.top_k=2", "moe.expert_intermediate_size=64",
+    "moe.shared_intermediate_size=64", "moe.latent_size=32",
+)  # fmt: skip

@@ -20,10 +20,13 @@ from k3compile.ablation.study import RunKey, Variant
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime.balance import find_routers
 from k3compile.runtime.data import Corpus, load_corpus, split
+from k3compile.runtime.device import to_device
+from k3compile.runtime.distributed import Layout
 from k3compile.runtime.muon import muon_precision
+from k3compile.runtime.precision import training_precision
 from k3compile.runtime.train import (
-    EVAL_BATCHES, MetricsLog, Run, _setup, evaluate, make_optimizer, read_metrics, resume_from, save_checkpoint,
-    train_step,
+    EVAL_BATCHES, MetricsLog, Run, _setup, default_log_every, evaluate, make_optimizer, read_metrics, read_steps,
+    resume_from, run_device, save_checkpoint, train_step,
 )  # fmt: skip
 from k3compile.spec.load import load_spec
 
@@ -38,18 +41,21 @@ def write_json(path: Path, obj) -> None:
 def mqar_run(spec, package, task: MQAR, out: Path) -> Run:
     """A Run on MQAR batches: the model initialised as `_setup` does, the task's parameters as its data fingerprint."""
     t = spec.training
+    device = run_device(package)
     torch.manual_seed(t.seed)
-    model = package.Model()
+    model = package.Model(device=device)
     if model.spec.training.seed != t.seed:
         model.spec = spec
         model.reset_parameters()
     model.train()
     named = list(model.named_parameters())
     ns_dtype, note = muon_precision(t.muon_precision, named[0][1].device)
+    compute, precision_note = training_precision(t.precision, device)
     fingerprint = json.dumps(task.__dict__, sort_keys=True).encode()
     return Run(spec=spec, model=model, named=named, optimizer=make_optimizer(spec, named, ns_dtype),
                batches=MQARBatches(task, t.batch_size, t.seed), val=[], routers=find_routers(model), out=out,
-               corpus=Corpus(bytearray(fingerprint), f"mqar {fingerprint.decode()}", 0), entropy=0.0, muon_note=note)
+               corpus=Corpus(bytearray(fingerprint), f"mqar {fingerprint.decode()}", 0), entropy=0.0, muon_note=note,
+               layout=Layout(device=device), compute=compute, precision_note=precision_note)
 
 
 def run_one(
@@ -70,7 +76,8 @@ def run_one(
         measure = lambda: {"val_loss": evaluate(run)}  # noqa: E731
     else:
         run = mqar_run(spec, package, task, out)
-        val = held_out(task, MQAR_HELD_OUT, spec.training.batch_size * EVAL_BATCHES, key.seed)
+        val = to_device(tuple(held_out(task, MQAR_HELD_OUT, spec.training.batch_size * EVAL_BATCHES, key.seed)),
+                        run.layout.device)
         measure = lambda: {"mqar_acc": accuracy(run.model, val)}  # noqa: E731
     start = resume_from(run, lambda *a, **k: None) if ckpt.committed(run.checkpoints) else 0
     so_far = read_metrics(out / "metrics.jsonl", start)
@@ -78,18 +85,24 @@ def run_one(
     log = MetricsLog(out / "metrics.jsonl", so_far.size)
     tick(start)
     cpu0, wall0 = time.process_time(), time.perf_counter()
+    log_every, pending = default_log_every(run.layout.device), []
     try:
         for step in range(start, steps):
-            record = train_step(run, step, steps)
-            n = record["step"]
-            if n % eval_every == 0 or n == steps:
-                record.update(measure())
-            records.append(record)
-            log.append(record)
-            if n % eval_every == 0 or n == steps:
+            pending.append(train_step(run, step, steps))
+            n = step + 1
+            evaluated = n % eval_every == 0 or n == steps
+            stop = stopping is not None and stopping() and n < steps
+            if evaluated or stop or n % log_every == 0:  # the steps' numbers, read from the device together
+                done, pending = read_steps(pending), []
+                if evaluated:
+                    done[-1].update(measure())
+                records += done
+                for record in done:
+                    log.append(record)
+            if evaluated:
                 save_checkpoint(run, n)
             tick(n)
-            if stopping is not None and stopping() and n < steps:
+            if stop:
                 save_checkpoint(run, n)
                 return None
     finally:

@@ -56,7 +56,7 @@ class HFImport:
         from k3compile.runtime.generate import load_build, load_inference_model, read_training_state
 
         if inference:
-            return load_inference_model(self.build, self.out)
+            return load_inference_model(self.build, self.out, "cpu")
         model = load_build(self.build).Model(device="meta")
         shapes = {k: tuple(v.shape) for k, v in model.state_dict().items()}
         state = read_training_state(self.out, shapes, model.spec)

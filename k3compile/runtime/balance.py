@@ -3,6 +3,8 @@
 Routers are found by buffer name (`<prefix>.bias` with `<prefix>.load` beside it), so this works on emitted
 models, whose routers are plain containers, as on `k3compile.modules.moe.Router`. The rule is the one of
 `Router.update_balance`, through the same ops: the statistics of one step become the bias of the next.
+Everything stays on the routers' device: the step's summary comes back as tensors (`BalanceReadings`), which
+the trainer reads with other steps' numbers once per log interval (k3compile.runtime.readings).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor, nn
 
 from k3compile.ops.balancing import qb_update_from_histogram, sign_balance_update
+from k3compile.runtime.readings import read
 from k3compile.spec.schema import Router as RouterConfig
 
 STAT_BUFFERS = ("load", "dropped", "qb_bias", "qb_counts", "aux_loss")  # non-persistent training statistics
@@ -64,18 +67,60 @@ class BalanceStats:
     dropped: float | None
     aux_loss: float | None
 
+    @classmethod
+    def of(cls, values: dict) -> BalanceStats:
+        """The summary of `BalanceReadings.tensors()` once read (k3compile.runtime.readings.read)."""
+        imbalance = [v for v, seen in zip(values["imbalance"], values["seen"]) if seen]
+        dropped, routed = sum(int(d) for d in values["dropped"]), sum(int(n) for n in values["routed"])
+        aux = values.get("aux_loss") or []
+        return cls(
+            imbalance=sum(imbalance) / len(imbalance) if imbalance else None,
+            dropped=dropped / routed if routed else None,
+            aux_loss=sum(aux) / len(aux) if aux else None,
+        )
+
+
+@dataclass(frozen=True)
+class BalanceReadings:
+    """One step's statistics per router, on the routers' device (copies: the buffers move on)."""
+
+    imbalance: Tensor  # [R] float64: max load / mean load (not a number where the router saw no tokens)
+    seen: Tensor  # [R] bool: the router saw training tokens
+    dropped: Tensor  # [R] int64: routed choices over an expert's capacity
+    routed: Tensor  # [R] int64: routed choices
+    aux_loss: Tensor | None  # [R'] the auxiliary losses of the routers that record one
+
+    def tensors(self) -> dict[str, Tensor]:
+        return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def summary(self) -> BalanceStats:
+        """Read now (the host waits for the device): what a log interval's one read gives for this step."""
+        return BalanceStats.of(read(self.tensors()))
+
 
 @torch.no_grad()
-def update_balance(routers: list[RouterBuffers], config: RouterConfig, top_k: int) -> BalanceStats:
+def update_balance(routers: list[RouterBuffers], config: RouterConfig, top_k: int) -> BalanceReadings:
     """Apply the balancing rule to every router's bias from the statistics since the last call, then reset them.
 
     quantile: the exact QB bias of the last batch (`qb_bias`) or QB read from the histogram (`qb_counts`);
     bias_sign: one DeepSeek-V3 sign step on the load; aux_loss and none leave the bias alone. A router that saw
-    no training tokens keeps its bias.
+    no training tokens keeps its bias. Nothing is read on the host: the step's statistics come back as tensors.
     """
-    imbalance, dropped, routed, aux = [], 0, 0, []
+    device = routers[0].bias.device if routers else torch.device("cpu")
+
+    def stacked(values: list[Tensor], dtype: torch.dtype) -> Tensor:
+        return torch.stack(values) if values else torch.zeros(0, dtype=dtype, device=device)
+
+    loads = [r.load.double() for r in routers]  # torch.stack copies the rest before the buffers are reset
+    aux = [r.aux_loss.reshape(()) for r in routers if r.aux_loss is not None]
+    readings = BalanceReadings(
+        imbalance=stacked([load.max() / load.mean() for load in loads], torch.float64),
+        seen=stacked([r.load.sum() > 0 for r in routers], torch.bool),
+        dropped=stacked([r.dropped.reshape(()) for r in routers], torch.int64),
+        routed=stacked([r.load.sum() for r in routers], torch.int64),
+        aux_loss=torch.stack(aux) if aux else None,
+    )
     for r in routers:
-        load = r.load.double()
         seen = r.load.sum() > 0
         if config.balancing == "quantile" and r.qb_counts is not None:
             new = qb_update_from_histogram(r.qb_counts, r.bias, top_k)
@@ -87,16 +132,6 @@ def update_balance(routers: list[RouterBuffers], config: RouterConfig, top_k: in
         else:
             new = r.bias
         r.bias.copy_(torch.where(seen, new, r.bias))
-        if bool(seen):
-            imbalance.append(float(load.max() / load.mean()))
-        dropped += int(r.dropped)
-        routed += int(r.load.sum())
-        if r.aux_loss is not None:
-            aux.append(float(r.aux_loss))
         r.load.zero_()
         r.dropped.zero_()
-    return BalanceStats(
-        imbalance=sum(imbalance) / len(imbalance) if imbalance else None,
-        dropped=dropped / routed if routed else None,
-        aux_loss=sum(aux) / len(aux) if aux else None,
-    )
+    return readings

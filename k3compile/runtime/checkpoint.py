@@ -301,7 +301,9 @@ def restore_optimizer(optimizer: PerHeadMuon, names: list[tuple[str, Tensor]], c
             expected = "no such state" if want is None else f"expected a float tensor of shape {list(want)}{dtype}"
             bad.append(f"{name}/{slot} {list(value.shape)} ({expected})")
             continue
-        state.setdefault(params[name], {})[slot] = value.clone().to(params[name].device)
+        # AdamW's step counter stays on the host, as in torch.optim (reading it then waits for no device)
+        device = "cpu" if slot == "step" else params[name].device
+        state.setdefault(params[name], {})[slot] = value.clone().to(device)
     if unknown:
         names = _list(sorted(set(unknown)))
         raise CheckpointError(f"{ckpt.path} holds optimizer state for unknown parameters: {names}")

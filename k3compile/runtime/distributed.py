@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from k3compile.ops import expert_parallel
+from k3compile.runtime.device import use
 from k3compile.spec.schema import Spec
 
 
@@ -85,23 +86,27 @@ def check_batch(spec: Spec, world: int) -> None:
         )
 
 
-def start(spec: Spec, training: bool = True) -> Layout:
-    """Join the process group torch.distributed.run set up and build the ("dp", "ep") mesh; world 1: no-op.
-    `training=False` (serving: every rank decodes the same requests) skips the training batch's checks."""
+def start(spec: Spec, training: bool = True, device: torch.device | None = None) -> Layout:
+    """Join the process group torch.distributed.run set up and build the ("dp", "ep") mesh on `device` (this
+    process's: k3compile.runtime.device.runtime_device; default cuda:LOCAL_RANK where CUDA is, else the CPU);
+    world 1: no group. `training=False` (serving: every rank decodes the same requests) skips the training
+    batch's checks."""
+    if device is None:
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
     if not launched():
         if spec.parallel.tp > 1 or spec.parallel.pp > 1:
             degrees(spec, 1)
-        return Layout()
+        use(device)
+        return Layout(device=device)
     from torch.distributed.device_mesh import init_device_mesh
 
     world = int(os.environ["WORLD_SIZE"])
     dp, ep = degrees(spec, world)
     if training:
         check_batch(spec, world)
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    cuda = device.type == "cuda"
+    use(device)
     owns = not dist.is_initialized()  # a caller's group (several runs in one launch) is left to the caller
     if owns:
         dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(minutes=10))
@@ -133,13 +138,15 @@ def barrier(layout: Layout) -> None:
         dist.barrier()
 
 
-def mean(layout: Layout, value: float) -> float:
-    """The mean over all ranks of a per-rank float (equal batch slices: the global mean)."""
+def mean(layout: Layout, value: Tensor) -> Tensor:
+    """The mean over all ranks of a per-rank scalar (equal batch slices: the global mean), in float64 on the
+    device: nothing is read on the host."""
+    t = value.detach().to(torch.float64)
     if not layout.distributed:
-        return value
-    t = torch.tensor([value], dtype=torch.float64, device=layout.device)
+        return t
+    t = t.reshape(1).clone()
     dist.all_reduce(t)
-    return float(t) / layout.world
+    return t[0] / layout.world
 
 
 def _all_reduce_flat(tensors: list[Tensor], group) -> None:

@@ -55,14 +55,15 @@ def reshard(model: nn.Module) -> None:
 
 
 @torch.no_grad()
-def clip_grad_norm(layout: Layout, params: list[Tensor], max_norm: float) -> float:
+def clip_grad_norm(layout: Layout, params: list[Tensor], max_norm: float) -> Tensor:
     """torch.nn.utils.clip_grad_norm_ over the whole model: FSDP's shards are disjoint over all ranks (experts'
-    over ep x dp), so the squared norm is one all-reduce of every rank's local sum."""
+    over ep x dp), so the squared norm is one all-reduce of every rank's local sum. Returns the norm before
+    clipping as a tensor on the device (reading it would make the host wait)."""
     import torch.distributed as dist
 
     params = [p for p in params if p.grad is not None]
     if not layout.distributed:
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
     grads = [local(p.grad) for p in params]
     sq = torch.zeros((), dtype=torch.float32, device=layout.device)
     for g in grads:
@@ -72,4 +73,4 @@ def clip_grad_norm(layout: Layout, params: list[Tensor], max_norm: float) -> flo
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
-    return float(total)
+    return total

@@ -4,8 +4,9 @@
 InferenceModel (packing the MX weights). `generate_tokens` serves through its compiled graphs:
 the prefill graph runs the prompt (KDA chunked form, MLA latents written to the preallocated
 cache), then each new token is one step of the decode graph through the fp32 KDA state, the
-short-conv tails and the MLA latent cache. `generate_batch` decodes prompts of different lengths
-together. `stream_text` turns bytes into text as soon as they form valid UTF-8.
+short-conv tails and the MLA latent cache; on a GPU each step is one replay of the step captured
+as a CUDA graph (k3compile.runtime.decode_graph). `generate_batch` decodes prompts of different
+lengths together. `stream_text` turns bytes into text as soon as they form valid UTF-8.
 """
 
 from __future__ import annotations
@@ -40,19 +41,6 @@ def load_build(build: str | Path | ModuleType) -> ModuleType:
 
     try:
         return load(build)
-    except BuildLoadError as e:
-        raise GenerateError(str(e)) from None
-
-
-def check_runnable(module: ModuleType, build: str | Path | ModuleType) -> None:
-    """Refuse in one line a build whose kernels cannot run here (a GPU target on a machine without one)."""
-    from k3compile.loader import BuildLoadError, check_target
-
-    try:
-        where = build
-        if isinstance(build, ModuleType):
-            where = Path(build.__file__).parent if getattr(build, "__file__", None) else build.__name__
-        check_target(module, where)
     except BuildLoadError as e:
         raise GenerateError(str(e)) from None
 
@@ -162,8 +150,24 @@ def pack_training_state(model, state: dict[str, Tensor]) -> dict[str, Tensor]:
     return {name: model.local_rows(name, t) for name, t in out.items()}
 
 
-def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path | None = None):
-    """The build's InferenceModel (eval mode, CPU) with a training checkpoint's weights packed in.
+def serving_device(module: ModuleType, build: str | Path | ModuleType | None = None) -> torch.device:
+    """The device a build serves on here (cuda:LOCAL_RANK for a GPU target); a one-line GenerateError where this
+    machine cannot run its kernels."""
+    from k3compile.runtime.device import DeviceError, runtime_device
+
+    target = getattr(module, "TARGET", "cpu")
+    where = build if isinstance(build, (str, Path)) else "the build"
+    try:
+        return runtime_device(target, f"{where} was built for {target}")
+    except DeviceError as e:
+        raise GenerateError(str(e)) from None
+
+
+def load_inference_model(
+    build: str | Path | ModuleType, checkpoint: str | Path | None = None, device: torch.device | str | None = None
+):
+    """The build's InferenceModel (eval mode) with a training checkpoint's weights packed in, on `device`
+    (default: the build's, `serving_device`).
 
     Without a checkpoint, the seeded initial weights. Every weight in InferenceModel.PACKED
     is MX-quantised into its `<w>_mx` / `<w>_scale` buffers; everything else is copied by name.
@@ -174,12 +178,12 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
     from k3compile.runtime.shards import ShardError
 
     module = load_build(build)
+    device = torch.device(device) if device is not None else serving_device(module, build)
     check_weights(module, checkpoint)
-    check_runnable(module, build)
     if not hasattr(module, "InferenceModel"):
         raise GenerateError(f"{build}: a train-only build has no InferenceModel; build with --mode infer or both")
     if checkpoint is None:
-        return module.InferenceModel().eval()
+        return module.InferenceModel(device=device).eval()
     model = module.InferenceModel(device="meta")
     try:
         kind = weights_class(checkpoint)
@@ -190,7 +194,7 @@ def load_inference_model(build: str | Path | ModuleType, checkpoint: str | Path 
         state = {k: model.local_rows(k, v) for k, v in read_training_state(checkpoint, own, model.spec).items()}
     else:
         state = pack_training_state(model, read_training_state(checkpoint, _training_shapes(model), model.spec))
-    model = model.to_empty(device="cpu")
+    model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
     return model.eval()
 
@@ -266,6 +270,21 @@ def sample_next(logits_V: Tensor, temperature: float, top_p: float, generator: t
 # ---------------------------------------------------------------- the loop
 
 
+def decoder(model, cache: DecodeCache) -> tuple[Callable[[Tensor], Tensor], DecodeCache]:
+    """(step: tokens [B] -> logits [B, 1, V] of the next position, the cache it advances) from a prefilled cache:
+    on a GPU a replay of the model's captured decode graph for the batch's bucket (the logits are its static output,
+    overwritten by the next step), elsewhere the eager decode graph."""
+    if cache.positions.device.type == "cuda":
+        runner = model.decode_graph_runner(len(cache.lengths), cache.max_len)
+        runner.load(cache)
+        return runner.decode, runner.cache
+
+    def step(tokens: Tensor) -> Tensor:
+        return model.decode(tokens, cache)[0]
+
+    return step, cache
+
+
 def generate_tokens(
     model,
     prompt: list[int],
@@ -287,13 +306,13 @@ def generate_tokens(
     device = next(iter(model.state_dict().values())).device
     with torch.no_grad():
         logits, cache = model.prefill(torch.tensor([prompt], device=device), len(prompt) + max_new_tokens)
+        step, cache = decoder(model, cache)
         logits = logits[0, -1]
         for i in range(max_new_tokens):
             token = sample_next(logits.cpu(), temperature, top_p, generator)
             yield token
             if i + 1 < max_new_tokens:
-                logits, cache = model.decode(torch.tensor([token], device=device), cache)
-                logits = logits[0, -1]
+                logits = step(torch.tensor([token], device=device))[0, -1]
     if on_cache is not None:
         on_cache(cache)
 
@@ -314,13 +333,14 @@ def generate_batch(
     out: list[list[int]] = [[] for _ in prompts]
     with torch.no_grad():
         logits, cache = model.prefill_batch([torch.tensor(p, device=device) for p in prompts], max_len)
+        step, cache = decoder(model, cache)
         for i in range(max_new_tokens):
-            tokens = [sample_next(row.cpu(), temperature, top_p, generator) for row in logits]
+            rows = logits.cpu()  # the batch's logits in one copy
+            tokens = [sample_next(row, temperature, top_p, generator) for row in rows]
             for seq, t in zip(out, tokens):
                 seq.append(t)
             if i + 1 < max_new_tokens:
-                logits, cache = model.decode(torch.tensor(tokens, device=device), cache)
-                logits = logits[:, -1]
+                logits = step(torch.tensor(tokens, device=device))[:, -1]
     return out
 
 

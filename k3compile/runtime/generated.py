@@ -125,6 +125,7 @@ class GeneratedModule(nn.Module):
         """Stack each MERGED group's weights by rows, hold the stack's transpose as its buffer (not saved) and make
         the weights views of its rows, so the decode graph's one matmul and the prefill graph's per-weight
         matmuls read the same memory."""
+        self.__dict__.pop("_decode_graphs", None)  # captured decode steps read the old tensors: capture again
         groups: dict[str, list[str]] = {}
         for stacked, member in self.MERGED:
             groups.setdefault(stacked, []).append(member)
@@ -155,11 +156,12 @@ class GeneratedModule(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Seeded, documented init (k3compile.modules.init); every buffer back to zero (the routing statistics
-        and the selection bias start there), packed MX buffers quantise their weight's init."""
+        """Seeded, documented init (k3compile.modules.init), drawn on the parameters' device; every buffer back to
+        zero (the routing statistics and the selection bias start there), packed MX buffers quantise their
+        weight's init."""
         for name, p in self.named_parameters():
             full = self.full_shape(name, tuple(p.shape))
-            value = initial_value(name, full, self.spec)
+            value = initial_value(name, full, self.spec, p.device)
             p.copy_(self.local_rows(name, value))
         stacked = {name for name, _ in self.MERGED}
         for name, b in self.named_buffers():
@@ -169,7 +171,8 @@ class GeneratedModule(nn.Module):
         for weight, pack in self.PACKED.items():
             from k3compile.ops.mx import mx_quantize
 
-            data, scale = mx_quantize(initial_value(weight, tuple(pack["shape"]), self.spec), pack["fmt"], pack["block"])
+            value = initial_value(weight, tuple(pack["shape"]), self.spec, buffers[pack["data"]].device)
+            data, scale = mx_quantize(value, pack["fmt"], pack["block"])
             buffers[pack["data"]].copy_(self.local_rows(pack["data"], data.view(buffers[pack["data"]].dtype)))
             buffers[pack["scale"]].copy_(self.local_rows(pack["scale"], scale))
 
@@ -304,6 +307,19 @@ class InferenceModule(GeneratedModule):
         cache.positions += 1
         cache.lengths = [n + 1 for n in cache.lengths]
         return logits, cache
+
+    def decode_graph_runner(self, batch: int, max_len: int, capture: bool | None = None):
+        """The decode step for `batch` sequences with caches of `max_len` tokens as a CUDA graph (on CUDA; eager over
+        the same static buffers elsewhere): a `k3compile.runtime.decode_graph.DecodeGraph` for the batch's bucket,
+        captured once and kept (one per bucket and max_len). `load(cache)` it with a prefilled cache, then
+        `decode(tokens)` replays one step."""
+        from k3compile.runtime.decode_graph import DecodeGraph, bucket
+
+        graphs = self.__dict__.setdefault("_decode_graphs", {})
+        key = (bucket(batch), max_len, capture)
+        if key not in graphs:
+            graphs[key] = DecodeGraph(self, key[0], max_len, capture)
+        return graphs[key]
 
     @torch.no_grad()
     def dense_state_dict(self) -> dict[str, Tensor]:

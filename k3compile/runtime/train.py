@@ -31,14 +31,18 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from torch import Tensor, nn
 
 from k3compile import safe_io
-from k3compile.kernels.launch import interpreting
 from k3compile.runtime import checkpoint as ckpt
 from k3compile.runtime import distributed as dist_rt
 from k3compile.runtime import fsdp
 from k3compile.runtime import sharded_checkpoint as dcp_ckpt
-from k3compile.runtime.balance import find_routers, restore_stats, snapshot_stats, update_balance
+from k3compile.runtime.balance import (
+    BalanceReadings, BalanceStats, find_routers, restore_stats, snapshot_stats, update_balance,
+)  # fmt: skip
 from k3compile.runtime.data import VOCAB, Batches, Corpus, eval_batches, load_corpus, split, unigram_entropy
+from k3compile.runtime.device import DeviceError, runtime_device, to_device
 from k3compile.runtime.muon import PerHeadMuon, default_use_muon, muon_precision
+from k3compile.runtime.precision import autocast, training_precision
+from k3compile.runtime.readings import read
 from k3compile.runtime.schedule import lr_at
 from k3compile.spec.schema import MIXER_KDA, Spec
 
@@ -97,14 +101,25 @@ def resolve(
                 f"{path} has no weights (a shapes-only build: its spec was lowered on the meta device); "
                 "train from the spec file, or build a spec small enough to initialise"
             )
-        target = getattr(package, "TARGET", "cpu")
-        if target != "cpu" and not torch.cuda.is_available() and not interpreting():
-            raise TrainError(
-                f"{path} was built for {target} (Triton kernels) and this machine has no GPU; rebuild it with "
-                "--target cpu, or set TRITON_INTERPRET=1 to run the kernels through Triton's interpreter (slow)"
-            )
+        run_device(package, path=path)
         return _spec_from_build(package, overrides), package
     return load_spec(path, list(overrides), extends_anywhere), None
+
+
+def run_device(package: ModuleType | None, spec: Spec | None = None, path: str | Path | None = None) -> torch.device:
+    """The device the build `package` (at `path`), or before it is built `spec`'s target, trains on here
+    (cuda:LOCAL_RANK for a GPU target, k3compile.runtime.device); a one-line TrainError where this machine cannot
+    run it."""
+    if package is not None:
+        target = getattr(package, "TARGET", "cpu")
+        what, fix = f"{path or 'the build'} was built for {target}", "rebuild it with --target cpu"
+    else:
+        target = spec.target
+        what, fix = f"spec {spec.name!r} targets {target}", "set target: cpu (--set target=cpu)"
+    try:
+        return runtime_device(target, what, fix)
+    except DeviceError as e:
+        raise TrainError(str(e)) from None
 
 
 def _same_architecture(a: Spec, b: Spec) -> bool:
@@ -150,8 +165,8 @@ def build_package(spec: Spec, build_dir: Path, say, mode: str = "both") -> Modul
     from k3compile.loader import load
 
     dest = build_dir / package_name(spec)
-    # Without a GPU, bind the PyTorch references whatever the spec's target (its Triton kernels need CUDA).
-    target = spec.target if torch.cuda.is_available() else "cpu"
+    run_device(None, spec)  # a GPU target on a machine without one is refused before anything is built
+    target = spec.target
     if is_build_dir(dest):
         why = _why_not_reusable(dest, spec, target, mode)
         if why is None:
@@ -274,6 +289,8 @@ class Run:
     entropy: float
     muon_note: str  # the Newton-Schulz precision chosen for this run, and why
     layout: dist_rt.Layout = field(default_factory=dist_rt.Layout)  # this process's place in the dp x ep mesh (world 1: alone)
+    compute: torch.dtype | None = None  # the forward's autocast dtype (training.precision); None: fp32
+    precision_note: str = ""  # the compute precision chosen, and why
 
     @property
     def expert_shards(self) -> set[str]:
@@ -287,8 +304,22 @@ class Run:
         return {"source": self.corpus.source, "bytes": len(self.corpus.data), "crc32": zlib.crc32(self.corpus.data)}
 
 
-def train_step(run: Run, step: int, total: int) -> dict:
-    """One optimizer step (0-based `step` of `total`) and the balance update; returns its metrics."""
+@dataclass
+class PendingStep:
+    """A step's metrics as the step left them: numbers still on the device, read by `read_steps`."""
+
+    step: int  # 1-based
+    lr: float
+    tokens: int  # tokens of the global batch
+    start: float  # time.perf_counter() when its forward was started
+    loss: Tensor  # the global batch's mean loss, float64
+    grad_norm: Tensor | None
+    balance: BalanceReadings | None
+
+
+def train_step(run: Run, step: int, total: int) -> PendingStep:
+    """One optimizer step (0-based `step` of `total`) and the balance update. Nothing is read on the host, so on
+    a GPU the host runs on to the next step while this one computes; `read_steps` turns it into metrics."""
     t = run.spec.training
     lr = lr_at(step, total, t.lr, t.schedule)
     for group in run.optimizer.param_groups:
@@ -296,28 +327,45 @@ def train_step(run: Run, step: int, total: int) -> dict:
     batch = run.batches.next()  # token windows (labels are the tokens), or (tokens, labels): a task's batches
     tokens, labels = batch if isinstance(batch, tuple) else (batch, batch)
     tokens, labels = run.layout.rows(tokens), run.layout.rows(labels)  # this rank's rows of the global batch
+    device = run.layout.device  # the batch is copied there once (labels are usually the tokens themselves)
+    tokens, labels = (to_device(tokens, device),) * 2 if labels is tokens else to_device((tokens, labels), device)
     start = time.perf_counter()
-    loss = run.model(tokens, labels)
-    value = dist_rt.mean(run.layout, float(loss.detach()))
-    if not math.isfinite(value):
-        raise TrainError(f"the loss is {value} at step {step + 1}; lower training.lr or check the data")
+    with autocast(run.compute, device):
+        loss = run.model(tokens, labels)
+    value = dist_rt.mean(run.layout, loss)
     loss.backward()  # across processes FSDP2 reduce-scatters the gradients here (k3compile.runtime.fsdp)
     grad_norm = None
     if t.grad_clip is not None:
         grad_norm = fsdp.clip_grad_norm(run.layout, [p for _, p in run.named], t.grad_clip)
     run.optimizer.step()
     run.optimizer.zero_grad(set_to_none=True)
-    record = {"step": step + 1, "loss": value, "lr": lr}
+    balance = None
     if run.routers:
         moe = run.spec.moe
         dist_rt.reduce_statistics(run.layout, run.routers)
-        stats = update_balance(run.routers, moe.router, moe.top_k)
-        record.update(imbalance=stats.imbalance, dropped=stats.dropped)
-        if stats.aux_loss is not None:
-            record["aux_loss"] = stats.aux_loss
-    record["grad_norm"] = grad_norm
-    record["tokens_per_s"] = tokens.numel() * run.layout.world / (time.perf_counter() - start)
-    return record
+        balance = update_balance(run.routers, moe.router, moe.top_k)
+    return PendingStep(step + 1, lr, tokens.numel() * run.layout.world, start, value, grad_norm, balance)
+
+
+def read_steps(pending: list[PendingStep]) -> list[dict]:
+    """The metrics records of consecutive steps: their numbers read from the device together (one wait), each loss
+    checked finite, tokens/s over the steps' wall time until now (the read waits for the last one to finish)."""
+    values = read([(p.loss, p.grad_norm, p.balance.tensors() if p.balance else None) for p in pending])
+    speed = sum(p.tokens for p in pending) / (time.perf_counter() - pending[0].start)
+    records = []
+    for p, (loss, grad_norm, balance) in zip(pending, values):
+        if not math.isfinite(loss):
+            raise TrainError(f"the loss is {loss} at step {p.step}; lower training.lr or check the data")
+        record = {"step": p.step, "loss": loss, "lr": p.lr}
+        if balance is not None:
+            stats = BalanceStats.of(balance)
+            record.update(imbalance=stats.imbalance, dropped=stats.dropped)
+            if stats.aux_loss is not None:
+                record["aux_loss"] = stats.aux_loss
+        record["grad_norm"] = grad_norm
+        record["tokens_per_s"] = speed
+        records.append(record)
+    return records
 
 
 @torch.no_grad()
@@ -326,17 +374,19 @@ def evaluate(run: Run) -> float:
     saved = snapshot_stats(run.routers)
     run.model.eval()
     try:
-        total = count = 0.0
+        total, count = 0.0, 0
         for batch in run.val:
             batch = run.layout.rows(batch)
             weight = batch.shape[0] * (batch.shape[1] - 1)
-            total += float(run.model(batch, batch)) * weight
+            with autocast(run.compute, run.layout.device):
+                loss = run.model(batch, batch)
+            total = loss.double() * weight + total  # summed on the device, read once
             count += weight
     finally:
         fsdp.reshard(run.model)
         run.model.train()
         restore_stats(run.routers, saved)
-    return dist_rt.mean(run.layout, total / count)
+    return float(dist_rt.mean(run.layout, total / count))
 
 
 def save_checkpoint(run: Run, step: int) -> Path:
@@ -681,6 +731,7 @@ def train(
     stop_after: int | None = None,
     init_from: str | Path | None = None,
     extends_anywhere: bool = False,
+    log_every: int | None = None,
 ) -> list[dict]:
     """Train the spec's (or build's) Model for `steps` optimizer steps in total; returns the metrics records.
 
@@ -692,29 +743,33 @@ def train(
     these weights instead of the seeded init (a weights folder such as `k3compile import-hf` output, or a
     checkpoint; resuming still restores the run's own checkpoint); `progress`: show a bar
     and messages on the console (False: silent); `extends_anywhere`: let the spec's `extends:` leave its
-    root (k3compile.spec.load.spec_root). Records hold step, loss, lr, tokens_per_s, imbalance, dropped,
-    grad_norm and, when validated, val_loss (nats per byte). A first Ctrl-C or SIGTERM ends the run after
-    the current step with a checkpoint and raises `Interrupted` (a KeyboardInterrupt carrying the signal).
+    root (k3compile.spec.load.spec_root); `log_every`: read the steps' numbers from the device, log them and
+    update the progress bar every this many steps (default: 1 on the CPU, 10 on a GPU). Records hold step, loss,
+    lr, tokens_per_s, imbalance, dropped, grad_norm and, when validated, val_loss (nats per byte). A build for a
+    GPU target trains on cuda:LOCAL_RANK (refused where there is no GPU). A first Ctrl-C or SIGTERM ends the run
+    after the current step with a checkpoint and raises `Interrupted` (a KeyboardInterrupt carrying the signal).
     """
     if steps < 1:
         raise TrainError(f"steps must be at least 1, got {steps}")
-    for name, value in (("eval_every", eval_every), ("stop_after", stop_after)):
+    for name, value in (("eval_every", eval_every), ("stop_after", stop_after), ("log_every", log_every)):
         if value is not None and value < 1:
             raise TrainError(f"{name} must be at least 1, got {value}")
     spec, package = resolve(spec_or_build, overrides, extends_anywhere)
+    device = run_device(package, spec, spec_or_build)  # a GPU target without a GPU: refused before anything is written
     try:
-        layout = dist_rt.start(spec)
+        layout = dist_rt.start(spec, device=device)
     except dist_rt.LayoutError as e:
         raise TrainError(str(e)) from None
     try:
         return _train(spec, package, layout, steps, data, out, resume, eval_every, progress and layout.main,
-                      stop_after, init_from)
+                      stop_after, init_from, log_every)
     finally:
         dist_rt.stop(layout)
 
 
 def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps: int, data, out, resume: bool,
-           eval_every: int | None, progress: bool, stop_after: int | None, init_from) -> list[dict]:
+           eval_every: int | None, progress: bool, stop_after: int | None, init_from,
+           log_every: int | None = None) -> list[dict]:  # fmt: skip
     """`train` in this process of the dp x ep layout: rank 0 prepares the folder and the build, every rank trains."""
     if spec.vocab_size < VOCAB:
         raise TrainError(
@@ -739,7 +794,7 @@ def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
             raise
-        return _loop(run, steps, resume, eval_every or default_eval_every(steps), stop_after, display)
+        return _loop(run, steps, resume, eval_every or default_eval_every(steps), stop_after, display, log_every)
 
 
 def _setup(
@@ -747,8 +802,9 @@ def _setup(
     init_from: str | Path | None, layout: dist_rt.Layout | None = None,
 ) -> Run:  # fmt: skip
     t = spec.training
+    layout = layout or dist_rt.Layout(device=run_device(package))
     torch.manual_seed(t.seed)
-    model = package.Model(device=layout.device if layout is not None and layout.distributed else None)
+    model = package.Model(device=layout.device)
     if model.spec.training.seed != t.seed:  # a build's init follows its own seed; re-init with the requested one
         model.spec = spec
         model.reset_parameters()
@@ -762,28 +818,39 @@ def _setup(
             raise TrainError(f"--init-from: {e}") from None
         model.load_state_dict({k: model.local_rows(k, v) for k, v in state.items()}, strict=True)  # this rank's rows
     model.train()
-    fsdp.shard(layout or dist_rt.Layout(), model)  # across processes: parameters become FSDP2 shards (DTensors)
+    fsdp.shard(layout, model)  # across processes: parameters become FSDP2 shards (DTensors)
     named = list(model.named_parameters())
     ns_dtype, muon_note = muon_precision(t.muon_precision, named[0][1].device)
+    compute, precision_note = training_precision(t.precision, layout.device)
     return Run(
         spec=spec,
         model=model,
         named=named,
         optimizer=make_optimizer(spec, named, ns_dtype),
         batches=Batches(train_tokens, t.batch_size, t.seq_len, t.seed),
-        val=eval_batches(val_tokens, t.batch_size, t.seq_len, EVAL_BATCHES),
+        val=[to_device(b, layout.device) for b in eval_batches(val_tokens, t.batch_size, t.seq_len, EVAL_BATCHES)],
         routers=find_routers(model),
         out=out,
         corpus=corpus,
         entropy=unigram_entropy(train_tokens),
         muon_note=muon_note,
-        layout=layout or dist_rt.Layout(),
+        layout=layout,
+        compute=compute,
+        precision_note=precision_note,
     )
 
 
-def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int | None, display) -> list[dict]:
+def default_log_every(device: torch.device) -> int:
+    """Steps per log interval: 1 on the CPU (reading a loss costs nothing there), 10 on a GPU (each read waits for
+    the GPU, which then idles until the host queues the next step)."""
+    return 1 if device.type == "cpu" else 10
+
+
+def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int | None, display,
+          log_every: int | None = None) -> list[dict]:  # fmt: skip
     say = display.print
     t = run.spec.training
+    log_every = log_every or default_log_every(run.layout.device)
     start = resume_from(run, say) if resume else 0
     metrics_path = run.out / "metrics.jsonl"
     so_far = read_metrics(metrics_path, start)
@@ -796,6 +863,8 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
         f"{run.spec.name}: {params / 1e6:.2f}M parameters{' on this rank' if run.layout.distributed else ''}, {t.optimizer} lr {t.lr:g} ({t.schedule.kind}, "
         f"warmup {t.schedule.warmup_steps}), batch {t.batch_size} x {t.seq_len}, steps {start + 1}..{steps}"
     )
+    if run.compute is not None or run.layout.device.type != "cpu" or t.precision != "auto":
+        say(run.precision_note)
     if t.optimizer != "adamw":
         say(run.muon_note)
     if run.layout.distributed:
@@ -818,18 +887,24 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
     log = MetricsLog(metrics_path, so_far.size) if run.layout.main else _NoMetrics()  # rank 0 writes
     with _stop_flag() as stopping, contextlib.closing(log):
         display.begin(start)
+        pending: list[PendingStep] = []
         for step in range(start, stop):
-            record = train_step(run, step, steps)
-            n = record["step"]
+            pending.append(train_step(run, step, steps))
+            n = step + 1
             validate = n % eval_every == 0 or n == steps
+            if not (validate or n % log_every == 0 or n == stop or stopping.signum is not None):
+                continue  # the step's numbers stay on the device until the log interval ends
+            done, pending = read_steps(pending), []
+            record = done[-1]
             if validate:
                 record["val_loss"] = evaluate(run)
                 say(
                     f"step {n}: loss {record['loss']:.4f}, val loss {record['val_loss']:.4f} nats "
                     f"({record['val_loss'] * LOG2E:.3f} bits) per byte"
                 )
-            records.append(record)
-            log.append(record)  # before the checkpoint: a resume from it finds this step's record
+            for r in done:
+                records.append(r)
+                log.append(r)  # before the checkpoint: a resume from it finds this step's record
             if validate:
                 save_checkpoint(run, n)
                 last_saved = n

@@ -343,6 +343,12 @@ class Training(_Frozen):
         "the hardware multiplies bf16 natively (CUDA, CPUs with AVX512_BF16 or AMX), fp32 elsewhere (decided and "
         "printed once per run).",
     )
+    precision: Literal["auto", "fp32", "bf16"] = Field(
+        default="auto",
+        description="Compute precision of training: bf16 (the forward and its backward under torch.autocast to "
+        "bfloat16, over fp32 master weights, gradients and optimizer state), fp32, or auto: bf16 on a CUDA GPU with "
+        "native bf16, fp32 on the CPU (decided and printed once per run).",
+    )
     seed: Annotated[int, Field(ge=0, le=2**32 - 1)] = Field(default=0, description="Seed for init and data order.")
 
 

@@ -1,4 +1,5 @@
-"""bench/gpu.py and bench/tune_gpu.py run end to end on CPU with --dry-run (Triton interpreter, tiny shapes)."""
+"""bench/gpu.py, bench/tune_gpu.py and bench/gpu_e2e.py run end to end on CPU with --dry-run (Triton interpreter,
+tiny shapes)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -48,3 +51,23 @@ def test_tuner_dry_run_writes_a_config_file_the_kernels_read(tmp_path):
     for kernels in table.values():
         for buckets in kernels.values():
             assert buckets and all(set(b) == {"max", "config"} and b["config"] for b in buckets)
+
+
+def test_gpu_e2e_without_a_gpu_says_so_and_exits_0():
+    done = run("gpu_e2e.py")
+    assert done.returncode == 0 and "no CUDA GPU here" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_gpu_e2e_dry_run_runs_every_section_and_prints_the_table(tmp_path):
+    """Every section of the GPU half of issue 29 at toy sizes: builds, the cpu-vs-h200 comparisons (Triton kernels
+    through the interpreter), the timed sections (the unbound graph), the K3 slice and a 1-step training run."""
+    md = tmp_path / "e2e.md"
+    done = run("gpu_e2e.py", "--dry-run", "--train-steps", "1", "--markdown", str(md))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    table = md.read_text()
+    assert "FAILED" not in table and "| NO |" not in table, table
+    for row in ("k3-tiny for h200", "loss, absolute difference", "largest gradient difference", "prefill logits",
+                "greedy tokens", "k3-tiny training step", "batch 1, static buffers", "batch 1, eager",
+                "k3-tiny prefill", "construct on cpu in bf16", "K3 slice train step", "final validation loss"):
+        assert row in table, row

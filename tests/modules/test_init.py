@@ -69,3 +69,25 @@ def test_the_lower_bounded_rule_matches_the_softplus_decay_at_f_zero():
     g = kda_gate_ref(torch.zeros(1, 1, H, K), a_log, dt_bias, "lower_bounded_sigmoid", spec.kda.decay.lower_bound)
     dt = (-g[0, 0] / a_log.exp()[:, None]).flatten()  # the dt the rule encoded
     assert dt.min() >= 1e-3 * (1 - 1e-4) and dt.max() <= 1e-1 * (1 + 1e-4)
+
+
+def test_each_parameter_is_drawn_on_its_own_device_in_one_call(monkeypatch, tmp_path):
+    """The emitted modules initialise every parameter with one initial_value call on the parameter's device (on
+    a GPU the GPU's generator: no pass through host memory, no loop over experts); on the CPU the numbers of the
+    CPU generator, as they always were."""
+    from k3compile.build import BuildOptions, build
+    from k3compile.loader import load
+    from k3compile.runtime import generated
+
+    from ..conftest import TOY_K3
+
+    spec = load_spec(SPECS / "k3-tiny.yaml", list(TOY_K3))
+    package = load(build(spec, tmp_path, BuildOptions(mode="train"))[0])
+    calls = []
+    real = generated.initial_value
+    monkeypatch.setattr(generated, "initial_value", lambda *a: calls.append(a) or real(*a))
+    params = dict(package.Model().named_parameters())
+    assert sorted(c[0] for c in calls) == sorted(params)  # one call each, a whole expert stack at once
+    assert all(torch.device(c[3]) == params[c[0]].device for c in calls)
+    for name, p in params.items():
+        assert torch.equal(p, initial_value(name, tuple(p.shape), spec)), name  # the CPU generator's numbers

@@ -36,7 +36,7 @@ def test_update_matches_router_update_balance(balancing, bins):
         ours = copy.deepcopy(moe)
         moe.update_balance()
         config = RouterConfig(balancing=balancing, histogram_bins=bins, bias_update_rate=0.01)
-        stats = update_balance(find_routers(ours), config, top_k=2)
+        stats = update_balance(find_routers(ours), config, top_k=2).summary()
         assert torch.equal(ours.router.bias, moe.router.bias)
         assert int(ours.router.load.sum()) == 0 and int(ours.router.dropped) == 0
         assert stats.imbalance is not None and stats.imbalance >= 1.0
@@ -71,7 +71,8 @@ def test_summary_numbers_by_hand():
         r.register_buffer("load", torch.tensor(load), persistent=False)
         r.register_buffer("dropped", torch.tensor(dropped), persistent=False)
         root.add_module(name, r)
-    stats = update_balance(find_routers(root), RouterConfig(balancing="bias_sign", bias_update_rate=0.5), top_k=1)
+    config = RouterConfig(balancing="bias_sign", bias_update_rate=0.5)
+    stats = update_balance(find_routers(root), config, top_k=1).summary()
     assert stats.imbalance == pytest.approx((4 / 2 + 1) / 2)  # max/mean per layer, averaged
     assert stats.dropped == pytest.approx(1 / 12)
     # sign rule: b_j + rate * sign(mean - load_j), mean 2: [-0.5, +0.5, 0, 0]; the even layer stays 0
@@ -82,7 +83,7 @@ def test_a_router_without_tokens_keeps_its_bias():
     moe = _moe("quantile", None)
     moe.router.bias.fill_(0.25)
     moe.router.qb_bias.fill_(9.0)  # stale: no forward since
-    stats = update_balance(find_routers(moe), RouterConfig(), top_k=2)
+    stats = update_balance(find_routers(moe), RouterConfig(), top_k=2).summary()
     assert torch.equal(moe.router.bias, torch.full((8,), 0.25))
     assert stats.imbalance is None and stats.dropped is None
 

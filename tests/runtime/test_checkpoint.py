@@ -162,6 +162,24 @@ def test_optimizer_state_round_trip_continues_identically(tmp_path):
         ckpt.restore_optimizer(b_opt, b_named, loaded)
 
 
+def test_restored_optimizer_state_follows_its_parameters_but_adamw_steps_stay_on_the_host(tmp_path):
+    """Moments go where their parameter lives (here the meta device stands in for a GPU); AdamW's step counters stay
+    CPU tensors, as torch.optim keeps them, so reading one never waits for a device."""
+    model = Net()
+    named = list(model.named_parameters())
+    opt = PerHeadMuon.from_named_parameters(named, lr=0.01)
+    model.norm(model.proj(torch.randn(3, 8))).sum().backward()
+    opt.step()
+    ckpt.save(tmp_path, 1, {**ckpt.model_tensors(model), **ckpt.optimizer_tensors(opt, named)}, {})
+    with torch.device("meta"):
+        far = Net()
+    far_named = list(far.named_parameters())
+    far_opt = PerHeadMuon.from_named_parameters(far_named, lr=0.01)
+    ckpt.restore_optimizer(far_opt, far_named, ckpt.load(tmp_path))
+    slots = {slot: t.device.type for state in far_opt.state.values() for slot, t in state.items()}
+    assert slots == {"momentum_buffer": "meta", "step": "cpu", "exp_avg": "meta", "exp_avg_sq": "meta"}
+
+
 # ---------------------------------------------------------------- the metadata: checksummed, then type-checked
 
 
