@@ -7,7 +7,8 @@
 Each case calls a kernel wrapper on meta tensors of the K3 shapes bench/gpu.py times; kernels/sm_check.py
 intercepts the launches it would make on the target (that target's launch configurations and SM count),
 compiles each for the target's architecture and reports shared memory per program, registers and spilled bytes
-per thread (ptxas), and whether the main products run on wgmma / tcgen05 (`wgmma`) or mma.sync (`mma`).
+per thread (ptxas), and whether the main products run on wgmma / tcgen05 (`wgmma`) or mma.sync (`mma`), and
+whether ptxas serialized the wgmma pipeline (no overlap of the tensor cores with the other instructions).
 Triton compiles on any machine; TRITON_INTERPRET is switched off for this process.
 """
 
@@ -62,6 +63,8 @@ def cases() -> dict[str, Callable[[], object]]:
                                                         4.0, 25.0),
         "mx_linear": lambda: mx.mx_linear(_meta(M, D), *lin, "e2m1", 32, None),
         "mx_linear act e4m3": lambda: mx.mx_linear(_meta(M, D), *lin, "e2m1", 32, "e4m3"),
+        "mx_linear M=64 (decode)": lambda: mx.mx_linear(_meta(64, D), *lin, "e2m1", 32, None),
+        "mx_expert_matmul C=16 (decode)": lambda: mt.mx_expert_matmul(_meta(E, 16, I), *dq, 32),
         "mx_linear_bwd": lambda: mx.mx_linear_bwd([_meta(M, O)], _meta(M, D), *lin, "e2m1", 32, "e4m3"),
         "mla_decode_absorbed S=32768": lambda: mdt.mla_decode_absorbed(
             _meta(32, 1, 64, 192), _meta(32, 32768, 576), _meta(64 * 256, 512), 192**-0.5),
@@ -87,7 +90,7 @@ def run(targets: tuple[str, ...], only: list[str], log: Callable[[str], None]) -
                              "num_warps": report.num_warps, "num_stages": report.num_stages,
                              "shared": report.shared, "shared_limit": sm_check.shared_limit(target),
                              "registers": report.registers, "spill_bytes": report.spill_bytes,
-                             "wgmma": report.wgmma, "mma": report.mma})
+                             "wgmma": report.wgmma, "mma": report.mma, "serialized": report.wgmma_serialized})
                 log(f"{name} {target} {report.summary()} ({time.perf_counter() - start:.1f} s)")
     return rows
 
@@ -103,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         products = "wgmma" if r["wgmma"] else "mma.sync" if r["mma"] else "none"
+        products += " (serialized)" if r["serialized"] else ""
         print(f"| {r['case']} | {r['target']} | {r['kernel']} | {r['num_warps']} x {r['num_stages']} | "
               f"{r['shared'] / 1024:.1f} ({r['shared_limit'] // 1024}) | {r['registers']} | {r['spill_bytes']} | "
               f"{products} |")

@@ -62,19 +62,35 @@ class Report:
     spill_bytes: int
     wgmma: bool
     mma: bool
+    wgmma_serialized: bool
     ttgir: str = field(repr=False)
+    ptxas_log: str = field(repr=False, default="")
+    cubin: bytes = field(repr=False, default=b"")
 
     def __getitem__(self, key: str):  # reports read as dicts too: report["shared"]
         return getattr(self, key)
 
+    def sass(self) -> str:
+        """The kernel's machine code (SASS), disassembled by the nvdisasm bundled with triton."""
+        from triton import knobs
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / "kernel.cubin"
+            path.write_bytes(self.cubin)
+            return subprocess.run([knobs.nvidia.nvdisasm.path, "-c", str(path)], capture_output=True, text=True,
+                                  check=True).stdout
+
     def summary(self) -> str:
         products = "wgmma" if self.wgmma else "mma" if self.mma else "no tensor cores"
+        if self.wgmma_serialized:
+            products += " (serialized by ptxas)"
         return (f"{self.name} sm_{self.arch} w{self.num_warps}s{self.num_stages}: {self.shared / 1024:.1f} KiB shared, "
                 f"{self.registers} registers, {self.spill_bytes} B spills, {products}")
 
 
-def _ptxas_stats(ptx: str, arch: int) -> tuple[int, int]:
-    """(registers, spilled bytes per thread: the larger of spill stores and loads) from the bundled ptxas."""
+def _ptxas_stats(ptx: str, arch: int) -> tuple[int, int, str]:
+    """(registers, spilled bytes per thread: the larger of spill stores and loads, ptxas's log) from the bundled
+    ptxas."""
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,18 +104,19 @@ def _ptxas_stats(ptx: str, arch: int) -> tuple[int, int]:
     log = done.stdout + done.stderr
     registers = max((int(r) for r in _REGISTERS.findall(log)), default=0)
     spills = max((max(int(s), int(l)) for s, l in _SPILLS.findall(log)), default=0)
-    return registers, spills
+    return registers, spills, log
 
 
 def _report(kernel, arch: int, num_warps: int, num_stages: int) -> Report:
     ttgir = kernel.asm["ttgir"]
-    registers, spills = _ptxas_stats(kernel.asm["ptx"], arch)
+    registers, spills, log = _ptxas_stats(kernel.asm["ptx"], arch)
     return Report(
         name=kernel.name, arch=arch, num_warps=num_warps, num_stages=num_stages, shared=kernel.metadata.shared,
         registers=registers, spill_bytes=spills,
         wgmma="warp_group_dot" in ttgir or "tc_gen5_mma" in ttgir,
         mma=bool(re.search(r"#ttg\.nvidia_mma|#mma\d* = ", ttgir)) or "tc_gen5_mma" in ttgir,
-        ttgir=ttgir,
+        wgmma_serialized="wgmma.mma_async instructions are serialized" in log,
+        ttgir=ttgir, ptxas_log=log, cubin=kernel.asm["cubin"],
     )
 
 
