@@ -68,6 +68,7 @@ def cases() -> dict[str, Callable[[], object]]:
         "mx_linear_bwd": lambda: mx.mx_linear_bwd([_meta(M, O)], _meta(M, D), *lin, "e2m1", 32, "e4m3"),
         "mla_decode_absorbed S=32768": lambda: mdt.mla_decode_absorbed(
             _meta(32, 1, 64, 192), _meta(32, 32768, 576), _meta(64 * 256, 512), 192**-0.5),
+        "short_conv": lambda: sct.short_conv(_meta(4, 4096, 4096), _meta(4096, 4), _meta(4, 4096, 3)),
         "short_conv_bwd": lambda: sct.short_conv_bwd([_meta(4, 4096, 4096), _meta(4, 4096, 3)], _meta(4, 4096, 4096),
                                                      _meta(4096, 4), _meta(4, 4096, 3)),
     }
