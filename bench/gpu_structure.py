@@ -91,7 +91,7 @@ def run(targets: tuple[str, ...], only: list[str], log: Callable[[str], None]) -
                              "num_warps": report.num_warps, "num_stages": report.num_stages,
                              "shared": report.shared, "shared_limit": sm_check.shared_limit(target),
                              "registers": report.registers, "spill_bytes": report.spill_bytes,
-                             "wgmma": report.wgmma, "mma": report.mma, "serialized": report.wgmma_serialized})
+                             "wgmma": report.wgmma, "products": report.products, "serialized": report.wgmma_serialized})
                 log(f"{name} {target} {report.summary()} ({time.perf_counter() - start:.1f} s)")
     return rows
 
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| case | target | kernel | warps x stages | shared KiB (limit) | registers | spills B | products |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
-        products = "wgmma" if r["wgmma"] else "mma.sync" if r["mma"] else "none"
+        products = r["products"]
         products += " (serialized)" if r["serialized"] else ""
         print(f"| {r['case']} | {r['target']} | {r['kernel']} | {r['num_warps']} x {r['num_stages']} | "
               f"{r['shared'] / 1024:.1f} ({r['shared_limit'] // 1024}) | {r['registers']} | {r['spill_bytes']} | "

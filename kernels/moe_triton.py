@@ -29,8 +29,8 @@ from k3compile.kernels.mx import mx_dequant_meta
 # BLOCK_K, warps, stages. They fit 227 KiB (163 KiB on A100) of shared memory and the register file without
 # spills (tests/kernels/test_gpu_structure.py compiles them); `gemm_triton.fit` clamps a tuned one that would not.
 _TILES = {  # (hopper 2-byte, hopper 4-byte, other 2-byte, other 4-byte)
-    "gemm": ((128, 256, 64, 8, 4), (128, 128, 32, 8, 4), (128, 128, 32, 4, 4), (64, 128, 32, 4, 3)),
-    "glu": ((128, 128, 64, 8, 3), (128, 64, 32, 8, 3), (128, 64, 32, 4, 3), (64, 64, 32, 4, 2)),
+    "gemm": ((128, 256, 64, 8, 4), (128, 128, 32, 8, 4), (128, 128, 32, 8, 4), (64, 128, 32, 4, 3)),
+    "glu": ((128, 128, 64, 8, 3), (128, 64, 32, 8, 3), (128, 64, 32, 8, 3), (64, 64, 32, 4, 2)),
     # MXFP4 (BLOCK_M tokens, BLOCK_N weight rows, BLOCK_K one 32-block of scales a step): 8 warps split the weight
     # rows in two 64-row wgmma halves, each decoding 16 values a thread and step for 256 tokens
     "mx": ((256, 128, 32, 8, 4), (128, 128, 32, 8, 4), (128, 64, 32, 4, 3), (64, 64, 32, 4, 3)),

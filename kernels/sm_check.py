@@ -17,6 +17,8 @@ process where TRITON_INTERPRET is off (the interpreter replaces the kernels with
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 import subprocess
 import tempfile
@@ -60,9 +62,10 @@ class Report:
     shared: int
     registers: int
     spill_bytes: int
-    wgmma: bool
-    mma: bool
-    wgmma_serialized: bool
+    wgmma: bool  # Hopper's warp-group MMA (TTGIR warp_group_dot)
+    tcgen05: bool  # Blackwell's tensor-memory MMA (TTGIR tc_gen5_mma)
+    mma: bool  # any tensor-core product: wgmma, tcgen05 or Ampere's mma.sync
+    wgmma_serialized: bool  # ptxas serialised the wgmma pipeline (no overlap with other instructions)
     ttgir: str = field(repr=False)
     ptxas_log: str = field(repr=False, default="")
     cubin: bytes = field(repr=False, default=b"")
@@ -80,8 +83,13 @@ class Report:
             return subprocess.run([knobs.nvidia.nvdisasm.path, "-c", str(path)], capture_output=True, text=True,
                                   check=True).stdout
 
+    @property
+    def products(self) -> str:
+        """"wgmma", "tcgen05", "mma.sync" or "fma": what runs the kernel's tl.dot products."""
+        return "wgmma" if self.wgmma else "tcgen05" if self.tcgen05 else "mma.sync" if self.mma else "fma"
+
     def summary(self) -> str:
-        products = "wgmma" if self.wgmma else "mma" if self.mma else "no tensor cores"
+        products = self.products
         if self.wgmma_serialized:
             products += " (serialized by ptxas)"
         return (f"{self.name} sm_{self.arch} w{self.num_warps}s{self.num_stages}: {self.shared / 1024:.1f} KiB shared, "
@@ -90,21 +98,35 @@ class Report:
 
 def _ptxas_stats(ptx: str, arch: int) -> tuple[int, int, str]:
     """(registers, spilled bytes per thread: the larger of spill stores and loads, ptxas's log) from the bundled
-    ptxas."""
+    ptxas; its log is kept beside Triton's own cache, keyed by the PTX, so a second look costs nothing."""
+    from triton import knobs
     from triton.backends.nvidia.compiler import get_ptxas, sm_arch_from_capability
 
+    ptxas = get_ptxas(arch).path
+    key = hashlib.sha256(f"{ptxas}\0{arch}\0{ptx}".encode()).hexdigest()
+    cached = Path(knobs.cache.dir) / "k3_ptxas" / f"{key}.log"
+    if cached.is_file():
+        log = cached.read_text()
+    else:
+        log = _run_ptxas(ptxas, ptx, sm_arch_from_capability(arch))
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_name(f".{key}.{os.getpid()}")
+        tmp.write_text(log)
+        os.replace(tmp, cached)
+    registers = max((int(r) for r in _REGISTERS.findall(log)), default=0)
+    spills = max((max(int(s), int(l)) for s, l in _SPILLS.findall(log)), default=0)
+    return registers, spills, log
+
+
+def _run_ptxas(ptxas: str, ptx: str, gpu_name: str) -> str:
     with tempfile.TemporaryDirectory() as tmp:
         src = Path(tmp) / "kernel.ptx"
         src.write_text(ptx)
         done = subprocess.run(
-            [get_ptxas(arch).path, "-v", f"--gpu-name={sm_arch_from_capability(arch)}", str(src), "-o",
-             str(Path(tmp) / "kernel.cubin")],
+            [ptxas, "-v", f"--gpu-name={gpu_name}", str(src), "-o", str(Path(tmp) / "kernel.cubin")],
             capture_output=True, text=True, check=True,
         )
-    log = done.stdout + done.stderr
-    registers = max((int(r) for r in _REGISTERS.findall(log)), default=0)
-    spills = max((max(int(s), int(l)) for s, l in _SPILLS.findall(log)), default=0)
-    return registers, spills, log
+    return done.stdout + done.stderr
 
 
 def _report(kernel, arch: int, num_warps: int, num_stages: int) -> Report:
@@ -113,8 +135,8 @@ def _report(kernel, arch: int, num_warps: int, num_stages: int) -> Report:
     return Report(
         name=kernel.name, arch=arch, num_warps=num_warps, num_stages=num_stages, shared=kernel.metadata.shared,
         registers=registers, spill_bytes=spills,
-        wgmma="warp_group_dot" in ttgir or "tc_gen5_mma" in ttgir,
-        mma=bool(re.search(r"#ttg\.nvidia_mma|#mma\d* = ", ttgir)) or "tc_gen5_mma" in ttgir,
+        wgmma="ttng.warp_group_dot " in ttgir, tcgen05=bool(re.search(r"ttng\.tc_gen5_mma(_scaled)? ", ttgir)),
+        mma=bool(re.search(r"ttng\.warp_group_dot |ttng\.tc_gen5_mma(_scaled)? |versionMajor = 2", ttgir)),
         wgmma_serialized="wgmma.mma_async instructions are serialized" in log,
         ttgir=ttgir, ptxas_log=log, cubin=kernel.asm["cubin"],
     )
