@@ -184,7 +184,7 @@ def pick(buckets: list[dict], sizes: dict[str, int], dtype: torch.dtype | str | 
 
 
 _forced: dict[str, dict] = {}  # kernel -> config, set by `forcing` (the tuner's trials)
-_seen: list[tuple[str, dict, str | None]] | None = None  # (kernel, sizes, dtype) of each launch while `recording`
+_seen: list[tuple[str, dict, str | None, dict]] | None = None  # (kernel, sizes, dtype, defaults) while `recording`
 
 
 def launch_config(
@@ -192,7 +192,7 @@ def launch_config(
 ) -> dict:
     """`defaults` overlaid with the tuned configuration of `kernel` for `device`'s target, this dtype and sizes."""
     if _seen is not None:
-        _seen.append((kernel, sizes, dtype_name(dtype)))
+        _seen.append((kernel, sizes, dtype_name(dtype), defaults))
     if kernel in _forced:
         return {**defaults, **_forced[kernel]}
     return {**defaults, **pick(configs(device_target(device)).get(kernel, []), sizes, dtype)}
@@ -209,8 +209,8 @@ def forcing(kernel: str, config: dict) -> Iterator[None]:
 
 
 @contextmanager
-def recording() -> Iterator[list[tuple[str, dict, str | None]]]:
-    """Collect (kernel, sizes, dtype name) for every launch_config call inside the block."""
+def recording() -> Iterator[list[tuple[str, dict, str | None, dict]]]:
+    """Collect (kernel, sizes, dtype name, the kernel's defaults) for every launch_config call inside the block."""
     global _seen
     _seen, outer = [], _seen
     try:

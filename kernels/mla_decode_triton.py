@@ -150,6 +150,15 @@ def _mla_decode_reduce_kernel(
     tl.store(out_ptr + (bt * H + h) * L + offs_l, acc / total, mask=mask_l)
 
 
+def shared_bytes(name: str, cfg: dict, sizes: dict, dtype: torch.dtype) -> int | None:
+    """Shared memory of the decode kernel under `cfg`: the query block [BLOCK_H, L + R] and num_stages cache tiles
+    [BLOCK_S, L + R] (bench/tune_gpu.py rejects a candidate over the device's limit before timing it)."""
+    if name != "mla_decode_absorbed":
+        return None
+    row = (triton.next_power_of_2(sizes["L"]) + 64) * sizes.get("ELEM", torch.empty((), dtype=dtype).element_size())
+    return (cfg["BLOCK_H"] + cfg["num_stages"] * cfg["BLOCK_S"]) * row
+
+
 def split_count(programs: int, sms: int, max_splits: int) -> int:
     """Splits of the cache for `programs` (head blocks x queries) programs on `sms` program slots: the fewest
     whose programs fill at least _FULL_WAVES of their waves (the best filling when none does), at most

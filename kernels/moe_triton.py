@@ -21,7 +21,7 @@ from torch import Tensor
 
 from k3compile.kernels.activations import check_glu_kind
 from k3compile.kernels.gemm_triton import glu_mm, grouped_mm, mx_mm
-from k3compile.kernels.launch import capability, launch_config
+from k3compile.kernels.launch import capability, gemm_shared, launch_config
 from k3compile.kernels.mx import mx_dequant_meta
 
 # Defaults until bench/tune_gpu.py tunes them, per kernel, for Hopper / Blackwell (TMA + wgmma) and for the
@@ -47,6 +47,19 @@ TUNABLE = {
     "mx_expert_matmul": {"BLOCK_N": [64, 128, 256], "BLOCK_M": [64, 128, 256], "BLOCK_K": [32, 64], **_STEPS},
     "mx_expert_glu": {"BLOCK_N": [64, 128], "BLOCK_M": [64, 128, 256], "BLOCK_K": [32, 64], **_STEPS},
 }
+
+
+def shared_bytes(name: str, cfg: dict, sizes: dict, dtype: torch.dtype) -> int:
+    """Shared memory of kernel `name` under `cfg` for operands of `dtype`: its pipelined tiles (bench/tune_gpu.py
+    rejects a candidate over the device's limit before timing it; the launchers clamp with the same sums)."""
+    e = torch.empty((), dtype=dtype).element_size()
+    BM, BN, BK, stages = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_stages"]
+    if name.startswith("mx_"):  # x tile, packed weight tiles, one scale word a weight row
+        weights = 2 if name == "mx_expert_glu" else 1
+        return stages * (BK * (BM * e + weights * BN // 2) + 4 * weights * BN)
+    if name in ("expert_glu", "expert_glu_bwd"):  # one x tile, two weight tiles
+        return stages * BK * (BM + 2 * BN) * e
+    return gemm_shared(BM, BN, BK, stages, e, e)
 
 
 def defaults(name: str, dtype: torch.dtype, device: torch.device | str) -> dict:

@@ -22,7 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from .gemm_triton import grouped_mm, mx_mm
-from .launch import capability, interpreting, launch_config
+from .launch import capability, gemm_shared, interpreting, launch_config
 from .mx import _FP8_DTYPES, FAST_DTYPES, check_mx_shape, mx_dequant_meta, mx_format, mx_quant_meta
 from .mx_tile_triton import (
     dequant_e2m1_tile,
@@ -85,9 +85,9 @@ def _check_dtype(x: Tensor) -> None:
         raise TypeError(f"the Triton MX kernels take fp32/bf16/fp16, got {x.dtype} (use the PyTorch reference)")
 
 
-def _block_grid(n_blocks: int, block: int, kernel: str, device) -> tuple[dict, tuple, int]:
+def _block_grid(n_blocks: int, block: int, kernel: str, device, dtype) -> tuple[dict, tuple, int]:
     """Launch config, grid and the padded block width for a per-block kernel over n_blocks blocks."""
-    cfg = launch_config(kernel, device, _ELEMWISE_DEFAULTS, N=n_blocks * block)
+    cfg = launch_config(kernel, device, _ELEMWISE_DEFAULTS, dtype=dtype, N=n_blocks * block)
     return cfg, (triton.cdiv(n_blocks, cfg["BLOCKS"]),), triton.next_power_of_2(block)
 
 
@@ -153,7 +153,7 @@ def mx_quantize(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tensor]:
     scale = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
     n_blocks = scale.numel()
     if n_blocks:
-        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_quantize", x.device)
+        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_quantize", x.device, x.dtype)
         _mx_quantize_kernel[grid](
             x.contiguous(), data.view(torch.uint8), scale, n_blocks, block, E2M1=fmt == "e2m1",
             **mx_format_constexprs(fmt), BLOCKS=cfg["BLOCKS"], BP2=bp2, num_warps=cfg["num_warps"],
@@ -171,7 +171,7 @@ def mx_dequantize(data: Tensor, scale: Tensor, fmt: str, block: int = 32, dtype:
         data = data.view(_FP8_DTYPES[fmt])
     n_blocks = scale.numel()
     if n_blocks:
-        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_dequantize", data.device)
+        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_dequantize", data.device, dtype)
         _mx_dequantize_kernel[grid](
             data.contiguous(), scale.contiguous(), out, n_blocks, block, E2M1=fmt == "e2m1",
             BLOCKS=cfg["BLOCKS"], BP2=bp2, num_warps=cfg["num_warps"],
@@ -186,7 +186,7 @@ def mx_fake_quantize(x: Tensor, fmt: str, block: int = 32) -> Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_blocks = x.numel() // block
     if n_blocks:
-        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_fake_quantize", x.device)
+        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_fake_quantize", x.device, x.dtype)
         _mx_fake_quantize_kernel[grid](
             x.contiguous(), out, n_blocks, block, **mx_format_constexprs(fmt),
             BLOCKS=cfg["BLOCKS"], BP2=bp2, num_warps=cfg["num_warps"],
@@ -330,6 +330,19 @@ _BUFFER_M = 1024
 _GEMM_TILES = {True: (128, 256, 64, 8, 4), False: (128, 128, 32, 8, 4)}  # by compute capability >= 9
 _SWAP_TILES = {True: (256, 128, 32, 8, 4), False: (128, 64, 32, 4, 3)}  # in-register MXFP4: tokens x weight rows
 _TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def shared_bytes(name: str, cfg: dict, sizes: dict, dtype: torch.dtype) -> int | None:
+    """Shared memory of an MX linear kernel under `cfg` (bench/tune_gpu.py rejects a candidate over the device's
+    limit before timing it): its pipelined x and weight tiles (MXFP4 weights half a byte a value)."""
+    if name not in ("mx_linear", "mx_linear_gemm", "mx_linear_fp32", "mx_linear_bwd"):
+        return None
+    e = 2 if name in ("mx_linear", "mx_linear_gemm") else torch.empty((), dtype=dtype).element_size()
+    w = 2 if name == "mx_linear_gemm" else 1  # the dense GEMM reads the bf16 buffer; the others, fp8 or e2m1 bytes
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if name == "mx_linear_bwd":  # dx tile [BLOCK_M, BLOCK_K] over BLOCK_N-wide steps
+        return gemm_shared(BM, BK, BN, cfg["num_stages"], e, w)
+    return gemm_shared(BM, BN, BK, cfg["num_stages"], e, w)
 
 
 def _gemm_config(device: torch.device, M: int, N: int, K: int) -> dict:

@@ -169,7 +169,8 @@ def short_conv(x_BTC: Tensor, weight_CW: Tensor, initial_state_BCW: Tensor | Non
     hist = None if init is None else init.transpose(1, 2).contiguous()  # [B, W-1, C]: rows like x's
     y = torch.empty_like(x)
     state = torch.empty(B, C, W - 1, dtype=x.dtype, device=x.device)
-    cfg = launch_config("short_conv_fwd", x.device, {"BLOCK_T": 64, "BLOCK_C": 128, "num_warps": 4}, T=T, C=C)
+    cfg = launch_config("short_conv_fwd", x.device, {"BLOCK_T": 64, "BLOCK_C": 128, "num_warps": 4}, dtype=x.dtype,
+                        T=T, C=C)
     grid = (triton.cdiv(C, cfg["BLOCK_C"]), triton.cdiv(T, cfg["BLOCK_T"]), B)
     _short_conv_fwd_kernel[grid](
         x, weight, x if hist is None else hist, y, state, T, C,
@@ -215,7 +216,8 @@ def short_conv_bwd(
         num_warps=xcfg["num_warps"], num_stages=xcfg.get("num_stages", 1),
     )
     dweight = torch.empty_like(weight)
-    rcfg = launch_config("short_conv_bwd_reduce", x.device, {"BLOCK_R": 16, "BLOCK_Q": 256, "num_warps": 2}, R=R, C=C)
+    rcfg = launch_config("short_conv_bwd_reduce", x.device, {"BLOCK_R": 16, "BLOCK_Q": 256, "num_warps": 2},
+                         dtype=x.dtype, R=R, C=C)
     _short_conv_bwd_reduce_kernel[(triton.cdiv(W * C, rcfg["BLOCK_Q"]),)](
         part, dweight, R, C,
         W=W, BLOCK_R=rcfg["BLOCK_R"], BLOCK_Q=rcfg["BLOCK_Q"], num_warps=rcfg["num_warps"],

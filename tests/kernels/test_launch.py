@@ -31,7 +31,7 @@ def test_launch_config_overlays_the_table_then_forcing(monkeypatch):
     assert launch.launch_config("other", "cpu", defaults, N=100) == defaults
     with launch.recording() as seen, launch.forcing("k", {"num_stages": 4}):
         assert launch.launch_config("k", "cpu", defaults, N=100) == {"BLOCK": 64, "num_warps": 4, "num_stages": 4}
-    assert seen == [("k", {"N": 100}, None)]
+    assert seen == [("k", {"N": 100}, None, defaults)]
     assert launch.launch_config("k", "cpu", defaults, N=100)["BLOCK"] == 128  # forcing ended with the block
 
 
