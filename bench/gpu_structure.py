@@ -59,6 +59,7 @@ def cases() -> dict[str, Callable[[], object]]:
         "mx_expert_matmul": lambda: mt.mx_expert_matmul(h, *dq, 32),
         "expert_glu_bwd": lambda: mt.expert_glu_bwd([h], x, wg, wg, "situ_glu", 4.0, 25.0),
         "expert_matmul_bwd": lambda: mt.expert_matmul_bwd([_meta(E, C, w)], h, wd),
+        "expert_glu fp32": lambda: mt.expert_glu(xf, wgf, wgf, "swiglu", 1.0, 1.0),
         "expert_glu_bwd fp32": lambda: mt.expert_glu_bwd([_meta(4, 64, 256, dtype=f32)], xf, wgf, wgf, "situ_glu",
                                                         4.0, 25.0),
         "mx_linear": lambda: mx.mx_linear(_meta(M, D), *lin, "e2m1", 32, None),

@@ -95,15 +95,16 @@ def _dense_loop(a, b, acc, e, m0, n0, M, N, K, sa_e, sb_e, A_T: tl.constexpr, B_
 
 
 @triton.jit
-def _store_tile(c, tile, e, m0, n0, M, N, TMA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    """Store the fp32 tile [BLOCK_M, BLOCK_N] at (m0, n0) of c[e] ([E, M, N] contiguous) in c's dtype."""
-    if TMA:
-        c.store([e, m0, n0], tile.to(c.dtype).reshape(1, BLOCK_M, BLOCK_N))
-    else:
-        rm = m0 + tl.arange(0, BLOCK_M)
-        rn = n0 + tl.arange(0, BLOCK_N)
-        offs = e.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
-        tl.store(c + offs, tile.to(c.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
+def _store_tile(c, tile, e, m0, n0, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Store the fp32 tile [BLOCK_M, BLOCK_N] at (m0, n0) of c[e] ([E, M, N] contiguous) in c's dtype.
+
+    Masked pointer stores, also where the loads use TMA: with a TMA store in the epilogue, the ptxas of CUDA 12.8
+    (Triton 3.6's) serialises the main loop's wgmma pipeline of an 8-warp kernel.
+    """
+    rm = m0 + tl.arange(0, BLOCK_M)
+    rn = n0 + tl.arange(0, BLOCK_N)
+    offs = e.to(tl.int64) * M * N + rm[:, None] * N + rn[None, :]
+    tl.store(c + offs, tile.to(c.dtype.element_ty), mask=(rm < M)[:, None] & (rn < N)[None, :])
 
 
 @triton.jit
@@ -128,7 +129,7 @@ def _gemm_kernel(
     if HAS2:
         acc = _dense_loop(a2, b2, acc, e, m0, n0, M, N, K, sa_e, sb_e, A_T, B_T, TMA, UPCAST, PREC,
                           BLOCK_M, BLOCK_N, BLOCK_K)
-    _store_tile(c, acc, e, m0, n0, M, N, TMA, BLOCK_M, BLOCK_N)
+    _store_tile(c, acc, e, m0, n0, M, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -170,12 +171,12 @@ def _glu_kernel(
         d0, d1 = _halves(_load_tile(dy, e, m0, n0, M, N, M * N, TMA, BLOCK_M, BLOCK_N).to(tl.float32))
         dg0, du0 = glu_grad(g0, u0, d0, beta1, beta2, SITU)
         dg1, du1 = glu_grad(g1, u1, d1, beta1, beta2, SITU)
-        _store_tile(y, _interleave(dg0, dg1), e, m0, n0, M, N, TMA, BLOCK_M, BLOCK_N)
-        _store_tile(y2, _interleave(du0, du1), e, m0, n0, M, N, TMA, BLOCK_M, BLOCK_N)
+        _store_tile(y, _interleave(dg0, dg1), e, m0, n0, M, N, BLOCK_M, BLOCK_N)
+        _store_tile(y2, _interleave(du0, du1), e, m0, n0, M, N, BLOCK_M, BLOCK_N)
     else:
         y0 = glu(g0, u0, beta1, beta2, SITU)
         y1 = glu(g1, u1, beta1, beta2, SITU)
-        _store_tile(y, _interleave(y0, y1), e, m0, n0, M, N, TMA, BLOCK_M, BLOCK_N)
+        _store_tile(y, _interleave(y0, y1), e, m0, n0, M, N, BLOCK_M, BLOCK_N)
 
 
 @triton.jit
@@ -238,7 +239,7 @@ def _mx_kernel(
         g0, g1 = _halves(acc_g)
         u0, u1 = _halves(acc_u)
         acc_g = _interleave(glu(g0, u0, beta1, beta2, SITU), glu(g1, u1, beta1, beta2, SITU))
-    _store_tile(y, tl.trans(acc_g), e, m0, n0, M, N, TMA, BLOCK_M, BLOCK_N)
+    _store_tile(y, tl.trans(acc_g), e, m0, n0, M, N, BLOCK_M, BLOCK_N)
 
 
 def use_tma(device: torch.device, *tensors: Tensor) -> bool:
@@ -286,15 +287,16 @@ def grouped_mm(
     if K == 0:
         return out.zero_()
     cfg = fit(cfg, out.device, a.element_size(), b.element_size())
-    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    operands = [t for t in (a, b, a2, b2, out) if t is not None]
+    BM = min(cfg["BLOCK_M"], max(64, triton.next_power_of_2(M)))  # a few rows: no empty 256-row tiles
+    BN, BK = cfg["BLOCK_N"], cfg["BLOCK_K"]
+    operands = [t for t in (a, b, a2, b2) if t is not None]
     tma = use_tma(out.device, *operands)
     a_block, b_block = ([1, BK, BM] if a_t else [1, BM, BK]), ([1, BN, BK] if b_t else [1, BK, BN])
     a_d, b_d = _desc(a, a_block, tma), _desc(b, b_block, tma)
     has2 = a2 is not None
     _gemm_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN), E)](
         a_d, b_d, _desc(a2, a_block, tma) if has2 else a_d, _desc(b2, b_block, tma) if has2 else b_d,
-        _desc(out, [1, BM, BN], tma), M, N, K, a[0].numel(), b[0].numel(),
+        out, M, N, K, a[0].numel(), b[0].numel(),
         A_T=a_t, B_T=b_t, HAS2=has2, TMA=tma, UPCAST=interpreting(), PREC=precision(a.dtype),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -323,12 +325,11 @@ def glu_mm(
 
         cfg = fit_shared(cfg, limit, need, ("BLOCK_K", "BLOCK_N"))
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
-    tma = use_tma(x.device, x, wg, wu, *outs, *(() if dy is None else (dy,)))
-    out_d = [_desc(o, [1, BM, BN], tma) for o in outs]
+    tma = use_tma(x.device, x, wg, wu, *(() if dy is None else (dy,)))
     x_d = _desc(x, [1, BM, BK], tma)
     _glu_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN), E)](
         x_d, _desc(wg, [1, BN, BK], tma), _desc(wu, [1, BN, BK], tma),
-        x_d if dy is None else _desc(dy, [1, BM, BN], tma), out_d[0], out_d[-1], M, N, K, M * K, N * K,
+        x_d if dy is None else _desc(dy, [1, BM, BN], tma), outs[0], outs[-1], M, N, K, M * K, N * K,
         float(beta1), float(beta2),
         BWD=dy is not None, SITU=kind_situ, TMA=tma, UPCAST=interpreting(), PREC=precision(x.dtype),
         BLOCK_M=BM, BLOCK_N=BN, BLOCK_K=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -371,10 +372,10 @@ def mx_mm(
     BN, BM, BK = cfg["BLOCK_N"], cfg["BLOCK_M"], cfg["BLOCK_K"]
     words = (K // block) % 4 == 0 and 4 % (BK // block) == 0 and all(
         t.device.type == "meta" or t.data_ptr() % 4 == 0 for t in (s, s if s2 is None else s2))
-    tma = use_tma(x.device, x, y)
+    tma = use_tma(x.device, x)
     glu_ = w2 is not None
     _mx_kernel[(triton.cdiv(M, BM) * triton.cdiv(N, BN), E)](
-        _desc(x, [1, BM, BK], tma), w, s, w2 if glu_ else w, s2 if glu_ else s, _desc(y, [1, BM, BN], tma),
+        _desc(x, [1, BM, BK], tma), w, s, w2 if glu_ else w, s2 if glu_ else s, y,
         M, N, K, M * K, float(beta1), float(beta2),
         GLU=glu_, SITU=kind_situ, BLOCK=block, SCALE_WORDS=words, TMA=tma, UPCAST=interpreting(),
         BLOCK_N=BN, BLOCK_M=BM, BLOCK_K=BK, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

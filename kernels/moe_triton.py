@@ -27,16 +27,19 @@ from k3compile.kernels.mx import mx_dequant_meta
 # Defaults until bench/tune_gpu.py tunes them, per kernel, for Hopper / Blackwell (TMA + wgmma) and for the
 # rest (A100's mma.sync, the interpreter), each for 2-byte and 4-byte (TF32) operands: BLOCK_M x BLOCK_N x
 # BLOCK_K, warps, stages. They fit 227 KiB (163 KiB on A100) of shared memory and the register file without
-# spills (tests/kernels/test_gpu_structure.py compiles them); `gemm_triton.fit` clamps a tuned one that would not.
+# spills, and keep the wgmma pipeline overlapped with both Triton 3.6's ptxas (CUDA 12.8: it serialises
+# 128 x 256 tiles of x W^T over 8 warps, and the GLU backward's 128 x 128) and 3.9's
+# (tests/kernels/test_gpu_structure.py compiles them); `gemm_triton.fit` clamps a tuned one that would not fit.
 _TILES = {  # (hopper 2-byte, hopper 4-byte, other 2-byte, other 4-byte)
-    "gemm": ((128, 256, 64, 8, 4), (128, 128, 32, 8, 4), (128, 128, 32, 8, 4), (64, 128, 32, 4, 3)),
-    "glu": ((128, 128, 64, 8, 3), (128, 64, 32, 8, 3), (128, 64, 32, 8, 3), (64, 64, 32, 4, 2)),
+    "gemm": ((256, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 128, 32, 8, 4), (64, 128, 32, 4, 3)),
+    "glu": ((128, 128, 64, 8, 3), (64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 64, 32, 4, 2)),
+    "glu_bwd": ((128, 64, 64, 8, 4), (64, 64, 32, 4, 3), (128, 64, 32, 8, 3), (64, 64, 32, 4, 2)),
     # MXFP4 (BLOCK_M tokens, BLOCK_N weight rows, BLOCK_K one 32-block of scales a step): 8 warps split the weight
     # rows in two 64-row wgmma halves, each decoding 16 values a thread and step for 256 tokens
     "mx": ((256, 128, 32, 8, 4), (128, 128, 32, 8, 4), (128, 64, 32, 4, 3), (64, 64, 32, 4, 3)),
     "mx_glu": ((128, 64, 32, 4, 4), (64, 64, 32, 4, 4), (64, 64, 32, 4, 3), (64, 64, 32, 4, 3)),
 }
-_SHAPE = {"expert_glu": "glu", "expert_glu_bwd": "glu", "mx_expert_glu": "mx_glu", "mx_expert_matmul": "mx",
+_SHAPE = {"expert_glu": "glu", "expert_glu_bwd": "glu_bwd", "mx_expert_glu": "mx_glu", "mx_expert_matmul": "mx",
           "expert_matmul": "gemm", "expert_matmul_dual": "gemm", "expert_weight_grad": "gemm"}
 _KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 _BLOCKS = {"BLOCK_M": [64, 128, 256], "BLOCK_N": [64, 128, 256], "BLOCK_K": [32, 64, 128]}

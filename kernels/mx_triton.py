@@ -327,7 +327,7 @@ def _native_dot_scaled(device: torch.device) -> bool:
 # Rows from which the weight is dequantised into a bf16 buffer once (the pass over W, ~4.5 bytes a weight, is then
 # under ~10% of the GEMM's time on an H200), and the dense GEMM's tiles for it (as moe_triton's expert GEMMs).
 _BUFFER_M = 1024
-_GEMM_TILES = {True: (128, 256, 64, 8, 4), False: (128, 128, 32, 8, 4)}  # by compute capability >= 9
+_GEMM_TILES = {True: (256, 128, 64, 8, 4), False: (128, 128, 32, 8, 4)}  # by compute capability >= 9
 _SWAP_TILES = {True: (256, 128, 32, 8, 4), False: (128, 64, 32, 4, 3)}  # in-register MXFP4: tokens x weight rows
 _TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
 
