@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / f"{target}.json"
     table = merge(json.loads(path.read_text()) if path.is_file() else {}, found)
     write_atomically(path, table)
-    print(f"wrote {path}: {len(found)} (kernel, dtype) pair(s) tuned for {target} in {time.perf_counter() - start:.0f} s")
+    elapsed = time.perf_counter() - start
+    print(f"wrote {path}: {len(found)} (kernel, dtype) pair(s) tuned for {target} in {elapsed:.0f} s")
     return 0
 
 

@@ -321,7 +321,8 @@ def glu_mm(
     if limit is not None:  # one x tile and two weight tiles a stage
 
         def need(c):
-            return c["num_stages"] * c["BLOCK_K"] * (c["BLOCK_M"] * x.element_size() + 2 * c["BLOCK_N"] * wg.element_size())
+            tiles = c["BLOCK_M"] * x.element_size() + 2 * c["BLOCK_N"] * wg.element_size()
+            return c["num_stages"] * c["BLOCK_K"] * tiles
 
         cfg = fit_shared(cfg, limit, need, ("BLOCK_K", "BLOCK_N"))
     BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]

@@ -176,7 +176,8 @@ def compile(
             hints.setdefault((names.index(name),), [["tt.divisibility", 16]])
     arch = arch_of(target)
     source = ASTSource(kernel_fn, sig, constexprs=constexprs, attrs=hints)
-    kernel = triton.compile(source, target=_gpu_target(arch), options={"num_warps": num_warps, "num_stages": num_stages})
+    options = {"num_warps": num_warps, "num_stages": num_stages}
+    kernel = triton.compile(source, target=_gpu_target(arch), options=options)
     return _report(kernel, arch, num_warps, num_stages)
 
 
@@ -218,7 +219,8 @@ class Launch:
         binder = create_function_from_signature(fn.signature, fn.params, backend)
         bound, specialization, options = binder(*self.args, **self.kwargs)
         options, signature, constexprs, attrs = fn._pack_args(backend, self.kwargs, bound, specialization, options)
-        kernel = triton.compile(ASTSource(fn, signature, constexprs, attrs), target=_gpu_target(self.arch), options=options.__dict__)
+        source = ASTSource(fn, signature, constexprs, attrs)
+        kernel = triton.compile(source, target=_gpu_target(self.arch), options=options.__dict__)
         return _report(kernel, self.arch, options.num_warps, options.num_stages)
 
 
