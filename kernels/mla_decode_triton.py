@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3compile.kernels.launch import capability, interpreting, launch_config, sm_count
+from k3compile.kernels.launch import capability, fit_shared, interpreting, launch_config, shared_limit, sm_count
 
 LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite start for running maxima: a fully masked block then gives p = 0, not NaN
@@ -32,6 +32,8 @@ _NEG = tl.constexpr(-1.0e30)  # finite start for running maxima: a fully masked 
 # SM's shared-memory bandwidth at full HBM rate. Before sm_90 (mma.sync) 16 heads, 4 warps. fp32 caches
 # (CUDA-core dots) take fewer rows per block so the tiles stay in registers.
 _DEFAULTS = {"BLOCK_H": 64, "BLOCK_S": 64, "SPLITS": 0, "PER_SM": 1, "num_warps": 8, "num_stages": 2}
+# Blackwell (tcgen05) stages P and more in shared memory: 32-row blocks (208 KiB with Triton 3.6, 141 with 3.9).
+_DEFAULTS_TCGEN05 = {**_DEFAULTS, "BLOCK_S": 32}
 _DEFAULTS_MMA = {"BLOCK_H": 16, "BLOCK_S": 32, "SPLITS": 0, "PER_SM": 2, "num_warps": 4, "num_stages": 3}
 _DEFAULTS_FP32 = {**_DEFAULTS_MMA, "BLOCK_S": 16, "num_stages": 2}
 _MIN_SPLIT_BLOCKS = 8
@@ -205,9 +207,14 @@ def mla_decode_absorbed(
 
     low = lat.dtype in (torch.bfloat16, torch.float16)
     wgmma = low and capability(lat.device) >= 90
-    defaults = _DEFAULTS if wgmma else _DEFAULTS_MMA if low else _DEFAULTS_FP32
+    if wgmma:
+        defaults = _DEFAULTS_TCGEN05 if capability(lat.device) >= 100 else _DEFAULTS
+    else:
+        defaults = _DEFAULTS_MMA if low else _DEFAULTS_FP32
     sizes = dict(B=B, T=T, H=H, S=S, L=L, ELEM=lat.element_size())
     cfg = launch_config("mla_decode_absorbed", lat.device, defaults, dtype=lat.dtype, **sizes)
+    cfg = fit_shared(cfg, shared_limit(lat.device), lambda c: shared_bytes("mla_decode_absorbed", c, sizes, lat.dtype),
+                     ("BLOCK_S",))
     block_h = max(64 if wgmma else 16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
     block_s = cfg["BLOCK_S"]
     head_blocks = triton.cdiv(H, block_h)
