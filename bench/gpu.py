@@ -8,9 +8,9 @@
 Each row first checks the kernel's outputs against the eager reference (relative RMS error over every
 floating-point output, integer outputs exactly), then times the kernel, the eager reference and
 torch.compile of the reference (triton.testing.do_bench: CUDA events, warm-up, median). Throughput is
-the case's useful work over the kernel's time; "% roofline" is the larger of TFLOP/s over the GPU's peak
-dense bf16 rate and GB/s over its memory bandwidth (data-sheet figures below), i.e. how close the kernel
-runs to whichever bound applies. Case definitions live next to this file in gpu_<topic>.py.
+the case's useful work over the kernel's time; "% bf16 peak" is TFLOP/s over the GPU's peak dense bf16
+tensor-core rate, "% HBM" GB/s over its memory bandwidth (data-sheet figures in PEAKS below, per GPU), and
+"% roofline" the larger of the two, i.e. how close the kernel runs to whichever bound applies. Case definitions live next to this file in gpu_<topic>.py.
 Exits 1 if any kernel disagrees with its reference. With --dry-run, timings are single CPU runs and
 torch.compile is skipped unless --compile (its columns print "-"): the point is the checks and the table.
 """
@@ -35,8 +35,8 @@ PEAKS = {
     "h200": (989.0, 4800.0),
     "b200": (2250.0, 8000.0),
 }
-COLUMNS = ("kernel", "max err", "ok", "triton ms", "TFLOP/s", "GB/s", "% roofline", "eager ms", "x eager",
-           "compile ms", "x compile")
+COLUMNS = ("kernel", "max err", "ok", "triton ms", "TFLOP/s", "GB/s", "% bf16 peak", "% HBM", "% roofline",
+           "eager ms", "x eager", "compile ms", "x compile")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -81,7 +81,12 @@ def measure(case, time_ms, use_compile: bool, peaks: tuple[float, float] | None)
     row.update({"triton ms": t, "eager ms": eager, "x eager": eager / t})
     row["TFLOP/s"] = case.flops / t / 1e9
     row["GB/s"] = case.bytes / t / 1e6
-    row["% roofline"] = None if peaks is None else 100 * max(row["TFLOP/s"] / peaks[0], row["GB/s"] / peaks[1])
+    if peaks is None:
+        row["% bf16 peak"] = row["% HBM"] = row["% roofline"] = None
+    else:
+        row["% bf16 peak"] = 100 * row["TFLOP/s"] / peaks[0]
+        row["% HBM"] = 100 * row["GB/s"] / peaks[1]
+        row["% roofline"] = max(row["% bf16 peak"], row["% HBM"])
     row["compile ms"] = row["x compile"] = None
     if use_compile and case.compile:
         comp = compiled(case.reference)
@@ -131,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     target = device_target(device)
     gpu = torch.cuda.get_device_name() if device == "cuda" else "CPU (Triton interpreter, tiny shapes)"
+    if target in PEAKS:
+        gpu += f" (peaks as {target}: {PEAKS[target][0]:.0f} bf16 TFLOP/s, {PEAKS[target][1]:.0f} GB/s)"
     time_ms = timer(device)
     use_compile = not args.no_compile and (args.compile or not args.dry_run)
     rows = []

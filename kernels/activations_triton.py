@@ -55,7 +55,7 @@ def _launch_fwd(name: str, gate: Tensor, up: Tensor, beta1: float, beta2: float,
     y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     n = g.numel()
     if n:
-        cfg = launch_config(name, gate.device, _DEFAULTS, n=n)
+        cfg = launch_config(name, gate.device, _DEFAULTS, dtype=gate.dtype, n=n)
         _glu_fwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
             g, u, y, n, beta1, beta2, SITU=situ, BLOCK=cfg["BLOCK"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
@@ -70,7 +70,7 @@ def _launch_bwd(name: str, grads: list[Tensor], gate: Tensor, up: Tensor, beta1:
     dup = torch.empty(up.shape, dtype=up.dtype, device=up.device)
     n = g.numel()
     if n:
-        cfg = launch_config(name, gate.device, _DEFAULTS, n=n)
+        cfg = launch_config(name, gate.device, _DEFAULTS, dtype=gate.dtype, n=n)
         _glu_bwd_kernel[(triton.cdiv(n, cfg["BLOCK"]),)](
             gy, g, u, dgate, dup, n, beta1, beta2, SITU=situ, BLOCK=cfg["BLOCK"],
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -255,7 +255,7 @@ def attn_res(sources_SBTD: Tensor, query_D: Tensor, norm_weight_D: Tensor, eps: 
     out = torch.empty(src.shape[1:], dtype=src.dtype, device=src.device)
     if N == 0:
         return out
-    cfg = launch_config("attn_res", src.device, _tile_defaults(D), S=S, N=N, D=D)
+    cfg = launch_config("attn_res", src.device, _tile_defaults(D), dtype=src.dtype, S=S, N=N, D=D)
     grid = (triton.cdiv(N, cfg["BLOCK_T"]),)
     _attn_res_fwd_kernel[grid](
         src, query_D.contiguous(), norm_weight_D.contiguous(), out, S, N, D, N * D, float(eps),
@@ -282,7 +282,7 @@ def attn_res_bwd(
     if N == 0:
         return [torch.empty_like(src), torch.zeros_like(query), torch.zeros_like(normw)]
     coef = torch.empty((3, S, N), dtype=torch.float32, device=dev)
-    cfg = launch_config("attn_res_bwd_coef", dev, _tile_defaults(D), S=S, N=N, D=D)
+    cfg = launch_config("attn_res_bwd_coef", dev, _tile_defaults(D), dtype=src.dtype, S=S, N=N, D=D)
     _attn_res_bwd_coef_kernel[(triton.cdiv(N, cfg["BLOCK_T"]),)](
         src, dout, query, normw, coef, S, N, D, N * D, float(eps),
         BLOCK_T=cfg["BLOCK_T"], BLOCK_D=cfg["BLOCK_D"], BLOCK_S=_block_s(S),
@@ -292,7 +292,7 @@ def attn_res_bwd(
     # One token per step (wider token tiles cost registers on sm_90 for nothing: du stays in registers anyway).
     defaults = {"BLOCK_T": 1, "BLOCK_D": min(triton.next_power_of_2(D), 1024), "PROGRAMS": 1024,
                 "num_warps": 4, "num_stages": 1}
-    cfg = launch_config("attn_res_bwd_dsrc", dev, defaults, S=S, N=N, D=D)
+    cfg = launch_config("attn_res_bwd_dsrc", dev, defaults, dtype=src.dtype, S=S, N=N, D=D)
     d_blocks = triton.cdiv(D, cfg["BLOCK_D"])
     t_blocks = triton.cdiv(N, cfg["BLOCK_T"])
     per_program = triton.cdiv(t_blocks, max(1, min(t_blocks, cfg["PROGRAMS"] // d_blocks)))

@@ -75,7 +75,7 @@ def kda_decode_step(
     q, k, v, g, beta, state = (t.contiguous() for t in (q_BHK, k_BHK, v_BHV, g_BHK, beta_BH, state_BHKV))
     o = torch.empty(B, H, V, dtype=v_BHV.dtype, device=v.device)
     new_state = torch.empty(B, H, K, V, dtype=torch.float32, device=v.device)
-    cfg = launch_config("kda_decode_step", v.device, _DEFAULTS, K=K, V=V, BH=B * H)
+    cfg = launch_config("kda_decode_step", v.device, _DEFAULTS, dtype=v.dtype, K=K, V=V, BH=B * H)
     block_v = min(cfg["BLOCK_V"], triton.next_power_of_2(V))
     grid = (B * H, triton.cdiv(V, block_v))
     _kda_decode_step_kernel[grid](

@@ -143,7 +143,8 @@ def kda_gate(f_BTHK: Tensor, A_log_H: Tensor, dt_bias_P: Tensor, form: str, lowe
     f = f_BTHK.contiguous()
     N = f.numel() // P
     g = torch.empty(f.shape, dtype=torch.float32, device=f.device)
-    cfg = launch_config("kda_gate_fwd", f.device, {"BLOCK_N": 8, "BLOCK_P": 512, "num_warps": 4}, N=N, P=P)
+    cfg = launch_config("kda_gate_fwd", f.device, {"BLOCK_N": 8, "BLOCK_P": 512, "num_warps": 4}, dtype=f.dtype,
+                        N=N, P=P)
     grid = (triton.cdiv(N, cfg["BLOCK_N"]), triton.cdiv(P, cfg["BLOCK_P"]))
     _kda_gate_fwd_kernel[grid](
         f, A_log_H.contiguous(), dt_bias_P.contiguous(), g, N, P, K, float(lower_bound),
@@ -165,7 +166,8 @@ def kda_gate_bwd(
     dg = grads[0].contiguous()
     df = torch.empty_like(f)
     cfg = launch_config(
-        "kda_gate_bwd", f.device, {"BLOCK_N": 256, "SUB_N": 8, "BLOCK_P": 512, "num_warps": 4}, N=N, P=P
+        "kda_gate_bwd", f.device, {"BLOCK_N": 256, "SUB_N": 8, "BLOCK_P": 512, "num_warps": 4}, dtype=f.dtype,
+        N=N, P=P,
     )
     R = triton.cdiv(N, cfg["BLOCK_N"])
     part_dx = torch.empty(R, P, dtype=torch.float32, device=f.device)

@@ -1,22 +1,32 @@
-"""Launch configurations for the Triton kernels, as data: per target GPU, per kernel, per shape bucket.
+"""Launch configurations for the Triton kernels, as data: per target GPU, per kernel, per dtype and shape bucket.
 
 `kernels/configs/<target>.json` maps a kernel module to its kernels, each an ordered list of buckets:
 
     {"norms_triton": {"rms_norm": [{"max": {"N": 1024}, "config": {"BLOCK_M": 4, "num_warps": 4}},
-                                   {"config": {"BLOCK_M": 1, "num_warps": 8}}]}}
+                                   {"config": {"BLOCK_M": 1, "num_warps": 8}}]},
+     "moe_triton": {"expert_matmul": [{"dtype": "bf16", "min": {"M": 1024}, "config": {"BLOCK_M": 128}},
+                                      {"dtype": "bf16", "config": {"BLOCK_M": 64}}]}}
 
-The first bucket whose `max` bounds all hold for the call's sizes wins (a bucket without `max` matches
-everything); its `config` is laid over the kernel's own defaults. `bench/tune_gpu.py` writes these files
-on a real GPU; bind_kernels reads them to record each op's choice, and the kernels read them at launch by
-the device they run on (a CPU tensor under TRITON_INTERPRET=1 uses the defaults).
+The first bucket that matches the call wins; its `config` is laid over the kernel's own defaults. A bucket
+matches when each of its optional conditions holds: `max` (every named size at most its bound), `min` (every
+named size at least its bound) and `dtype` (the call's input dtype, "fp32" / "bf16" / "fp16"; a call that
+names no dtype matches any). bench/tune_gpu.py writes open-ended buckets: one per tuned size, largest first,
+each covering the sizes from its own up to the next larger tuned one (`min`), the smallest also everything
+below (no `min`), so a call larger than every tuned size takes the largest one's configuration rather than the
+defaults. bind_kernels reads these files to record each op's choice, and the kernels read them at launch by
+the device they run on (a CPU tensor under TRITON_INTERPRET=1 uses the defaults and `cpu.json`).
+
+`DEVICES` holds what the configurations must respect per GPU target (architecture, SMs, shared memory per
+program); `gemm_shared` and `fit_shared` size a pipelined tl.dot loop against it.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -26,6 +36,27 @@ CONFIG_DIR = Path(__file__).parent / "configs"
 TARGETS = ("cpu", "a100", "h100", "h200", "b200")
 GPU_TARGETS = TARGETS[1:]
 _H200_MIN_BYTES = 100 * 2**30  # H100 and H200 are both sm_90; the H200 has 141 GB, the H100 80-94 GB
+
+
+@dataclass(frozen=True)
+class Device:
+    """A GPU target's limits: compute capability x 10, SMs, and the most shared memory one program may use."""
+
+    arch: int
+    sms: int
+    shared: int
+
+
+# Data-sheet figures (SXM parts); shared memory is the per-block opt-in maximum (A100 163 KiB, Hopper and
+# Blackwell 227 KiB), which Triton's launch checks.
+DEVICES = {
+    "a100": Device(arch=80, sms=108, shared=163 * 1024),
+    "h100": Device(arch=90, sms=132, shared=227 * 1024),
+    "h200": Device(arch=90, sms=132, shared=227 * 1024),
+    "b200": Device(arch=100, sms=148, shared=227 * 1024),
+}
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16", "torch.float16": "fp16"}
+_planned: str | None = None  # the target `planning` pretends every device is
 
 
 def interpreting() -> bool:
@@ -46,6 +77,8 @@ def _cuda_target(index: int) -> str:
 
 def sm_count(device: torch.device | str) -> int:
     """Streaming multiprocessors a grid should fill on `device` (1 off CUDA: the interpreter runs programs in turn)."""
+    if _planned is not None:
+        return DEVICES[_planned].sms
     device = torch.device(device)
     if device.type != "cuda":
         return 1
@@ -54,10 +87,60 @@ def sm_count(device: torch.device | str) -> int:
 
 def device_target(device: torch.device | str) -> str:
     """The target whose configurations a kernel on `device` uses: a GPU target for CUDA, else "cpu"."""
+    if _planned is not None:
+        return _planned
     device = torch.device(device)
     if device.type != "cuda":
         return "cpu"
     return _cuda_target(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def capability(device: torch.device | str) -> int:
+    """Compute capability x 10 of `device` (0 off CUDA)."""
+    target = device_target(device)
+    return DEVICES[target].arch if target in DEVICES else 0
+
+
+def shared_limit(device: torch.device | str) -> int | None:
+    """The most shared memory one program may use on `device` (bytes; None off CUDA: no limit applies)."""
+    target = device_target(device)
+    return DEVICES[target].shared if target in DEVICES else None
+
+
+@contextmanager
+def planning(target: str) -> Iterator[None]:
+    """Choose launch configurations as on `target` whatever the tensors' device (kernels/sm_check.py compiles
+    the launches a wrapper makes on meta tensors for each GPU)."""
+    global _planned
+    if target not in DEVICES:
+        raise ValueError(f"unknown GPU target {target!r}; expected one of {tuple(DEVICES)}")
+    _planned, outer = target, _planned
+    try:
+        yield
+    finally:
+        _planned = outer
+
+
+def gemm_shared(block_m: int, block_n: int, block_k: int, num_stages: int, a_bytes: int, b_bytes: int,
+                pairs: int = 1) -> int:
+    """Shared memory (bytes) of a software-pipelined tensor-core tl.dot loop: Triton's Hopper pipeline keeps
+    num_stages copies of each [block_m, block_k] x [block_k, block_n] operand pair; `pairs` products a step."""
+    return num_stages * pairs * block_k * (block_m * a_bytes + block_n * b_bytes)
+
+
+def fit_shared(cfg: dict, limit: int | None, need: Callable[[dict], int], shrink: tuple[str, ...] = ("BLOCK_K",),
+               floor: int = 16) -> dict:
+    """cfg with num_stages lowered (to 2), then each `shrink` block halved in turn (not below `floor`), until
+    need(cfg) <= limit; unchanged when it fits or there is no limit (CPU)."""
+    cfg = dict(cfg)
+    if limit is None:
+        return cfg
+    while need(cfg) > limit and cfg.get("num_stages", 1) > 2:
+        cfg["num_stages"] -= 1
+    for key in shrink:
+        while need(cfg) > limit and cfg[key] > floor:
+            cfg[key] //= 2
+    return cfg
 
 
 @lru_cache(maxsize=None)
@@ -75,26 +158,44 @@ def configs(target: str) -> dict[str, list]:
     return {kernel: buckets for kernels in module_configs(target).values() for kernel, buckets in kernels.items()}
 
 
-def pick(buckets: list[dict], sizes: dict[str, int]) -> dict:
-    """The config of the first bucket whose `max` bounds hold for `sizes` ({} when none matches)."""
+def dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    """"fp32" / "bf16" / "fp16" for a torch dtype (other dtypes by their torch name); None stays None."""
+    if dtype is None or isinstance(dtype, str):
+        return dtype
+    return DTYPE_NAMES.get(str(dtype), str(dtype).removeprefix("torch."))
+
+
+def matches(bucket: dict, sizes: dict[str, int], dtype: str | None = None) -> bool:
+    """Whether `bucket`'s conditions (max, min, dtype; each optional) hold for a call with these sizes and dtype."""
+    if dtype is not None and bucket.get("dtype", dtype) != dtype:
+        return False
+    if any(sizes.get(key, 0) > bound for key, bound in bucket.get("max", {}).items()):
+        return False
+    return all(sizes.get(key, 0) >= bound for key, bound in bucket.get("min", {}).items())
+
+
+def pick(buckets: list[dict], sizes: dict[str, int], dtype: torch.dtype | str | None = None) -> dict:
+    """The config of the first bucket that matches `sizes` and `dtype` ({} when none does)."""
+    name = dtype_name(dtype)
     for bucket in buckets:
-        bounds = bucket.get("max", {})
-        if all(sizes.get(key, 0) <= bound for key, bound in bounds.items()):
+        if matches(bucket, sizes, name):
             return dict(bucket["config"])
     return {}
 
 
 _forced: dict[str, dict] = {}  # kernel -> config, set by `forcing` (the tuner's trials)
-_seen: list[tuple[str, dict]] | None = None  # (kernel, sizes) of each launch while `recording`
+_seen: list[tuple[str, dict, str | None, dict]] | None = None  # (kernel, sizes, dtype, defaults) while `recording`
 
 
-def launch_config(kernel: str, device: torch.device | str, defaults: dict, **sizes: int) -> dict:
-    """`defaults` overlaid with the tuned configuration of `kernel` for `device`'s target and these sizes."""
+def launch_config(
+    kernel: str, device: torch.device | str, defaults: dict, dtype: torch.dtype | str | None = None, **sizes: int
+) -> dict:
+    """`defaults` overlaid with the tuned configuration of `kernel` for `device`'s target, this dtype and sizes."""
     if _seen is not None:
-        _seen.append((kernel, sizes))
+        _seen.append((kernel, sizes, dtype_name(dtype), defaults))
     if kernel in _forced:
         return {**defaults, **_forced[kernel]}
-    return {**defaults, **pick(configs(device_target(device)).get(kernel, []), sizes)}
+    return {**defaults, **pick(configs(device_target(device)).get(kernel, []), sizes, dtype)}
 
 
 @contextmanager
@@ -108,8 +209,8 @@ def forcing(kernel: str, config: dict) -> Iterator[None]:
 
 
 @contextmanager
-def recording() -> Iterator[list[tuple[str, dict]]]:
-    """Collect (kernel, sizes) for every launch_config call inside the block."""
+def recording() -> Iterator[list[tuple[str, dict, str | None, dict]]]:
+    """Collect (kernel, sizes, dtype name, the kernel's defaults) for every launch_config call inside the block."""
     global _seen
     _seen, outer = [], _seen
     try:

@@ -3,12 +3,14 @@
 W_uk folds into the query (q_lat = q_nope W_uk, a small batched matmul in torch), then one program per
 (head block, S split, query token) streams its part of the cache [c_kv | k_pe] in BLOCK_S rows:
 scores = q_lat . c_kv + q_pe . k_pe, causal online softmax, and P @ c_kv accumulated in the latent space [L].
-All heads of a token read the same latent rows, so BLOCK_H heads share each loaded block; the head block is
-the fastest grid axis so the programs reading one cache slice run together and meet in L2. Few queries over a
-long cache give too few programs for the GPU, so the cache is split over S (split-K flash decoding): each
-split writes its normalized partial and log2-sum-exp, and a second kernel merges them. Finally
-o = o_lat W_uv^T (torch). Half-precision caches run the two dots on tensor cores in the cache's dtype with
-fp32 accumulation; fp32 caches use IEEE fp32 dots (so results match fp32 references).
+All heads of a token read the same latent rows, so BLOCK_H heads share each loaded block: with a half cache on
+Hopper or later a block holds 64 heads (all of K3's), wgmma's minimum, so each cache row is read once per query
+token, and 8 warps split the [64, L] accumulator (the score block and P@c_kv both run on wgmma). A few queries
+over a long cache give too few programs for the GPU, so the cache is split over S (split-K flash decoding) into
+as many splits as fill the SMs in whole waves (one program per SM: the pipelined cache tiles and the query take
+most of the shared memory); each split writes its normalized partial and log2-sum-exp, and a second kernel
+merges them. Finally o = o_lat W_uv^T (torch). Half-precision caches run the two dots on tensor cores in the
+cache's dtype with fp32 accumulation; fp32 caches use IEEE fp32 dots (so results match fp32 references).
 """
 
 from __future__ import annotations
@@ -18,17 +20,24 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from k3compile.kernels.launch import interpreting, launch_config, sm_count
+from k3compile.kernels.launch import capability, fit_shared, interpreting, launch_config, shared_limit, sm_count
 
 LOG2E = 1.4426950408889634
 _NEG = tl.constexpr(-1.0e30)  # finite start for running maxima: a fully masked block then gives p = 0, not NaN
 
-# SPLITS = 0 picks the split count from the shapes (about two programs per SM); n > 0 forces at most n.
-# Half caches: about 185 registers and 93 KB of shared memory on sm_90, two programs per SM. fp32 caches
-# (CUDA-core dots) take half the rows per block so the tiles stay in registers.
-_DEFAULTS = {"BLOCK_H": 16, "BLOCK_S": 32, "SPLITS": 0, "num_warps": 4, "num_stages": 3}
-_DEFAULTS_FP32 = {**_DEFAULTS, "BLOCK_S": 16, "num_stages": 2}
+# SPLITS = 0 picks the split count from the shapes (whole waves of PER_SM programs per SM); n > 0 forces at most n.
+# Half caches on sm_90: 64 heads x 64 rows, 8 warps, 2 stages: 216 KiB of shared memory (the query 72 KiB, a
+# stage of cache rows 72 KiB), one program per SM. A 64-row block reads the query once per 64 cache rows from
+# shared memory (the wgmma A operand): under 6 bytes of shared-memory traffic per byte of cache, within the
+# SM's shared-memory bandwidth at full HBM rate. Before sm_90 (mma.sync) 16 heads, 4 warps. fp32 caches
+# (CUDA-core dots) take fewer rows per block so the tiles stay in registers.
+_DEFAULTS = {"BLOCK_H": 64, "BLOCK_S": 64, "SPLITS": 0, "PER_SM": 1, "num_warps": 8, "num_stages": 2}
+# Blackwell (tcgen05) stages P and more in shared memory: 32-row blocks (208 KiB with Triton 3.6, 141 with 3.9).
+_DEFAULTS_TCGEN05 = {**_DEFAULTS, "BLOCK_S": 32}
+_DEFAULTS_MMA = {"BLOCK_H": 16, "BLOCK_S": 32, "SPLITS": 0, "PER_SM": 2, "num_warps": 4, "num_stages": 3}
+_DEFAULTS_FP32 = {**_DEFAULTS_MMA, "BLOCK_S": 16, "num_stages": 2}
 _MIN_SPLIT_BLOCKS = 8
+_FULL_WAVES = 0.9  # the fewest splits whose programs fill at least this share of their waves
 _REDUCE_DEFAULTS = {"num_warps": 4}
 
 TUNABLE = {
@@ -36,6 +45,7 @@ TUNABLE = {
         "BLOCK_H": [16, 32, 64],
         "BLOCK_S": [16, 32, 64],
         "SPLITS": [0, 1, 2, 4, 8, 16, 32],
+        "PER_SM": [1, 2],
         "num_warps": [4, 8],
         "num_stages": [1, 2, 3],
     },
@@ -142,6 +152,30 @@ def _mla_decode_reduce_kernel(
     tl.store(out_ptr + (bt * H + h) * L + offs_l, acc / total, mask=mask_l)
 
 
+def shared_bytes(name: str, cfg: dict, sizes: dict, dtype: torch.dtype) -> int | None:
+    """Shared memory of the decode kernel under `cfg`: the query block [BLOCK_H, L + R] and num_stages cache tiles
+    [BLOCK_S, L + R] (bench/tune_gpu.py rejects a candidate over the device's limit before timing it)."""
+    if name != "mla_decode_absorbed":
+        return None
+    row = (triton.next_power_of_2(sizes["L"]) + 64) * sizes.get("ELEM", torch.empty((), dtype=dtype).element_size())
+    return (cfg["BLOCK_H"] + cfg["num_stages"] * cfg["BLOCK_S"]) * row
+
+
+def split_count(programs: int, sms: int, max_splits: int) -> int:
+    """Splits of the cache for `programs` (head blocks x queries) programs on `sms` program slots: the fewest
+    whose programs fill at least _FULL_WAVES of their waves (the best filling when none does), at most
+    max_splits."""
+    best, best_fill = 1, 0.0
+    for splits in range(1, max(1, max_splits) + 1):
+        total = programs * splits
+        fill = total / (triton.cdiv(total, sms) * sms)
+        if fill >= _FULL_WAVES:
+            return splits
+        if fill > best_fill + 1e-9:
+            best, best_fill = splits, fill
+    return best
+
+
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     """The inputs' shared half dtype (cuBLAS accumulates in fp32), else fp32."""
     dtypes = {t.dtype for t in tensors}
@@ -172,16 +206,23 @@ def mla_decode_absorbed(
         q = q.contiguous()
 
     low = lat.dtype in (torch.bfloat16, torch.float16)
-    defaults = _DEFAULTS if low else _DEFAULTS_FP32
+    wgmma = low and capability(lat.device) >= 90
+    if wgmma:
+        defaults = _DEFAULTS_TCGEN05 if capability(lat.device) >= 100 else _DEFAULTS
+    else:
+        defaults = _DEFAULTS_MMA if low else _DEFAULTS_FP32
     sizes = dict(B=B, T=T, H=H, S=S, L=L, ELEM=lat.element_size())
-    cfg = launch_config("mla_decode_absorbed", lat.device, defaults, **sizes)
-    block_h = max(16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
+    cfg = launch_config("mla_decode_absorbed", lat.device, defaults, dtype=lat.dtype, **sizes)
+    cfg = fit_shared(cfg, shared_limit(lat.device), lambda c: shared_bytes("mla_decode_absorbed", c, sizes, lat.dtype),
+                     ("BLOCK_S",))
+    block_h = max(64 if wgmma else 16, min(cfg["BLOCK_H"], triton.next_power_of_2(H)))
     block_s = cfg["BLOCK_S"]
     head_blocks = triton.cdiv(H, block_h)
     s_blocks = triton.cdiv(S, block_s)
-    # Auto: enough programs for about two per SM, but no split shorter than _MIN_SPLIT_BLOCKS blocks (each
-    # split writes an fp32 partial of H * L per query, which must stay small next to its cache slice).
-    auto = min(triton.cdiv(2 * sm_count(lat.device), B * T * head_blocks), triton.cdiv(s_blocks, _MIN_SPLIT_BLOCKS))
+    # Auto: whole waves of programs, but no split shorter than _MIN_SPLIT_BLOCKS blocks (each split writes an
+    # fp32 partial of H * L per query, which must stay small next to its cache slice).
+    slots = cfg["PER_SM"] * sm_count(lat.device)
+    auto = split_count(B * T * head_blocks, slots, triton.cdiv(s_blocks, _MIN_SPLIT_BLOCKS))
     blocks_per_split = triton.cdiv(s_blocks, max(1, min(cfg["SPLITS"] or auto, s_blocks)))
     split_len = blocks_per_split * block_s
     splits = triton.cdiv(S, split_len)
@@ -200,7 +241,7 @@ def mla_decode_absorbed(
         o_lat = o_part.view(B, T, H, L)
     else:
         o_lat = torch.empty(B, T, H, L, dtype=torch.float32, device=lat.device)
-        rcfg = launch_config("mla_decode_reduce", lat.device, _REDUCE_DEFAULTS, B=B, T=T, H=H, L=L)
+        rcfg = launch_config("mla_decode_reduce", lat.device, _REDUCE_DEFAULTS, dtype=lat.dtype, B=B, T=T, H=H, L=L)
         _mla_decode_reduce_kernel[(B * T, H)](
             o_part, lse, o_lat, H, L, splits,
             BLOCK_L=triton.next_power_of_2(L), BLOCK_SPLITS=triton.next_power_of_2(splits),

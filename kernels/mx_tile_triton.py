@@ -18,6 +18,7 @@ _E8M0_NAN = tl.constexpr(255)
 _TWO_POW_M127 = tl.constexpr(0x00400000)  # fp32 bits of 2^-127 (E8M0 byte 0), the one scale below fp32's normals
 _HALF_BITS = tl.constexpr(0x3F000000)  # fp32 bits of 0.5; also 126 << 23, e2m1's exponent bias moved onto fp32's
 _NAN_BITS = tl.constexpr(0x7FC00000)
+_TWO_POW_126 = tl.constexpr(2.0**126)
 
 
 def mx_format_constexprs(fmt: str) -> dict:
@@ -43,15 +44,21 @@ def e8m0_to_fp32(scale):
 
 
 @triton.jit
+def e2m1_bits(codes, SHIFT: tl.constexpr):
+    """fp32 bit patterns of the e2m1 codes held in bits SHIFT..SHIFT+3 of an int32 tile, each worth its value
+    times 2^-126: the 3 magnitude bits land on fp32's bits 24..22 (exponent field e, top mantissa bit m, so
+    2^(e-127)(1 + m/2) for e >= 1 and the subnormal m 2^-127 for e = 0) and the sign bit on bit 31."""
+    return ((codes << (22 - SHIFT)) & 0x01C00000) | ((codes << (28 - SHIFT)) & -0x80000000)
+
+
+@triton.jit
 def e2m1_values(codes):
     """fp32 values of 4-bit e2m1 codes (int32 tile; sign bit 3, exponent bits 2..1, mantissa bit 0).
 
-    A normal code (exponent field e >= 1) is 2^(e-1) * (1 + m/2): its low 3 bits shifted to fp32's bit 22
-    plus 126 << 23 are exactly its fp32 bits; exponent field 0 is the subnormal 0 or 0.5.
+    One exact multiply by 2^126 turns `e2m1_bits` into 2^(e-1)(1 + m/2) and m/2: no selects or compares, the
+    subnormal code (0.5) included (fp32 multiplies keep subnormals on GPUs and in the interpreter).
     """
-    normal = ((codes & 7) << 22) + _HALF_BITS
-    mag = tl.where((codes & 6) == 0, (codes & 1) * _HALF_BITS, normal).to(tl.float32, bitcast=True)
-    return tl.where((codes & 8) != 0, -mag, mag)
+    return e2m1_bits(codes, 0).to(tl.float32, bitcast=True) * _TWO_POW_126
 
 
 @triton.jit
@@ -70,8 +77,8 @@ def dequant_e2m1_tile(packed, scale, BLOCK: tl.constexpr):
     R: tl.constexpr = packed.shape[0]
     H: tl.constexpr = packed.shape[1]
     p = packed.to(tl.int32)
-    codes = tl.reshape(tl.join(p & 0xF, p >> 4), (R, 2 * H))
-    return scale_blocks(e2m1_values(codes), e8m0_to_fp32(scale), BLOCK)
+    bits = tl.reshape(tl.join(e2m1_bits(p, 0), e2m1_bits(p, 4)), (R, 2 * H))
+    return scale_blocks(bits.to(tl.float32, bitcast=True) * _TWO_POW_126, e8m0_to_fp32(scale), BLOCK)
 
 
 @triton.jit

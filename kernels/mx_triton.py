@@ -2,9 +2,16 @@
 
 The quantisers give the bits of kernels/mx.py's references (rounding by integer arithmetic on fp32 bits in
 kernels/mx_tile_triton.py). They view x [..., n] as rows of one MX block each, [n_blocks, block], padded to
-a power of two, so any block size that divides n works. `mx_linear` runs one of two paths, picked by the
-launch-config key DOT_SCALED: dequantise W in registers and tl.dot (A100/H100/H200), or tl.dot_scaled
-(native on compute capability >= 10, the default there; needs block 32). Inputs: fp32 / bf16 / fp16.
+a power of two, so any block size that divides n works. Inputs: fp32 / bf16 / fp16.
+
+`mx_linear` with an MXFP4 weight and bf16 operands (bf16 x, or x fake-quantised to an MX format, exact in bf16)
+picks by the number of rows M (launch-config key BUFFER_M): a large M (training, prefill) dequantises W once
+into a bf16 buffer and runs kernels/gemm_triton.py's TMA-fed bf16 GEMM (the dequantisation costs a pass over
+W, a few percent of a GEMM with thousands of rows); a small M (decoding) decodes W in registers inside the
+GEMM, W x^T with the weight as wgmma's register operand (gemm_triton.mx_mm). fp32 or fp16 x, fp8 weights and
+tl.dot_scaled (launch-config key DOT_SCALED: native MX tensor cores on compute capability >= 10, the default
+there; needs block 32) run `_mx_linear_kernel`, which dequantises W in registers before a tl.dot. The
+backward (dx = grad_y dequant(W)) takes the bf16 buffer for a large M too.
 """
 
 from __future__ import annotations
@@ -14,7 +21,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from .launch import interpreting, launch_config
+from .gemm_triton import grouped_mm, mx_mm
+from .launch import capability, gemm_shared, interpreting, launch_config
 from .mx import _FP8_DTYPES, FAST_DTYPES, check_mx_shape, mx_dequant_meta, mx_format, mx_quant_meta
 from .mx_tile_triton import (
     dequant_e2m1_tile,
@@ -33,13 +41,21 @@ TUNABLE = {
     "mx_fake_quantize": {"BLOCKS": [32, 64, 128, 256], "num_warps": [2, 4, 8]},
     "mx_dequantize": {"BLOCKS": [32, 64, 128, 256], "num_warps": [2, 4, 8]},
     "mx_linear": {
+        "BUFFER_M": [256, 1024, 4096],
         "DOT_SCALED": [0, 1],
-        "BLOCK_M": [64, 128],
+        "BLOCK_M": [64, 128, 256],
         "BLOCK_N": [64, 128, 256],
-        "BLOCK_K": [64, 128, 256],
+        "BLOCK_K": [32, 64],
         "GROUP_M": [8],
         "num_warps": [4, 8],
-        "num_stages": [2, 3, 4],
+        "num_stages": [3, 4, 5],
+    },
+    "mx_linear_gemm": {
+        "BLOCK_M": [64, 128],
+        "BLOCK_N": [128, 256],
+        "BLOCK_K": [32, 64],
+        "num_warps": [4, 8],
+        "num_stages": [3, 4],
     },
     "mx_linear_fp32": {
         "DOT_SCALED": [0, 1],
@@ -51,6 +67,7 @@ TUNABLE = {
         "num_stages": [2, 3],
     },
     "mx_linear_bwd": {
+        "BUFFER_M": [256, 1024, 4096],
         "BLOCK_M": [64, 128],
         "BLOCK_N": [32, 64, 128],
         "BLOCK_K": [64, 128, 256],
@@ -68,9 +85,9 @@ def _check_dtype(x: Tensor) -> None:
         raise TypeError(f"the Triton MX kernels take fp32/bf16/fp16, got {x.dtype} (use the PyTorch reference)")
 
 
-def _block_grid(n_blocks: int, block: int, kernel: str, device) -> tuple[dict, tuple, int]:
+def _block_grid(n_blocks: int, block: int, kernel: str, device, dtype) -> tuple[dict, tuple, int]:
     """Launch config, grid and the padded block width for a per-block kernel over n_blocks blocks."""
-    cfg = launch_config(kernel, device, _ELEMWISE_DEFAULTS, N=n_blocks * block)
+    cfg = launch_config(kernel, device, _ELEMWISE_DEFAULTS, dtype=dtype, N=n_blocks * block)
     return cfg, (triton.cdiv(n_blocks, cfg["BLOCKS"]),), triton.next_power_of_2(block)
 
 
@@ -136,7 +153,7 @@ def mx_quantize(x: Tensor, fmt: str, block: int = 32) -> tuple[Tensor, Tensor]:
     scale = torch.empty(scale_shape, dtype=torch.uint8, device=x.device)
     n_blocks = scale.numel()
     if n_blocks:
-        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_quantize", x.device)
+        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_quantize", x.device, x.dtype)
         _mx_quantize_kernel[grid](
             x.contiguous(), data.view(torch.uint8), scale, n_blocks, block, E2M1=fmt == "e2m1",
             **mx_format_constexprs(fmt), BLOCKS=cfg["BLOCKS"], BP2=bp2, num_warps=cfg["num_warps"],
@@ -154,7 +171,7 @@ def mx_dequantize(data: Tensor, scale: Tensor, fmt: str, block: int = 32, dtype:
         data = data.view(_FP8_DTYPES[fmt])
     n_blocks = scale.numel()
     if n_blocks:
-        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_dequantize", data.device)
+        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_dequantize", data.device, dtype)
         _mx_dequantize_kernel[grid](
             data.contiguous(), scale.contiguous(), out, n_blocks, block, E2M1=fmt == "e2m1",
             BLOCKS=cfg["BLOCKS"], BP2=bp2, num_warps=cfg["num_warps"],
@@ -169,7 +186,7 @@ def mx_fake_quantize(x: Tensor, fmt: str, block: int = 32) -> Tensor:
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     n_blocks = x.numel() // block
     if n_blocks:
-        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_fake_quantize", x.device)
+        cfg, grid, bp2 = _block_grid(n_blocks, block, "mx_fake_quantize", x.device, x.dtype)
         _mx_fake_quantize_kernel[grid](
             x.contiguous(), out, n_blocks, block, **mx_format_constexprs(fmt),
             BLOCKS=cfg["BLOCKS"], BP2=bp2, num_warps=cfg["num_warps"],
@@ -304,7 +321,38 @@ def _mx_linear_bwd_kernel(g_ptr, data_ptr, scale_ptr, dx_ptr, M, N, K, E2M1: tl.
 
 def _native_dot_scaled(device: torch.device) -> bool:
     """tl.dot_scaled has MX tensor cores on compute capability >= 10 (B200); elsewhere it upcasts."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
+    return capability(device) >= 100
+
+
+# Rows from which the weight is dequantised into a bf16 buffer once (the pass over W, ~4.5 bytes a weight, is then
+# under ~10% of the GEMM's time on an H200), and the dense GEMM's tiles for it (as moe_triton's expert GEMMs).
+_BUFFER_M = 1024
+_GEMM_TILES = {True: (256, 128, 64, 8, 4), False: (128, 128, 32, 8, 4)}  # by compute capability >= 9
+_SWAP_TILES = {True: (256, 128, 32, 8, 4), False: (128, 64, 32, 4, 3)}  # in-register MXFP4: tokens x weight rows
+_TILE_KEYS = ("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+
+
+def shared_bytes(name: str, cfg: dict, sizes: dict, dtype: torch.dtype) -> int | None:
+    """Shared memory of an MX linear kernel under `cfg` (bench/tune_gpu.py rejects a candidate over the device's
+    limit before timing it): its pipelined x and weight tiles (MXFP4 weights half a byte a value)."""
+    if name not in ("mx_linear", "mx_linear_gemm", "mx_linear_fp32", "mx_linear_bwd"):
+        return None
+    e = 2 if name in ("mx_linear", "mx_linear_gemm") else torch.empty((), dtype=dtype).element_size()
+    w = 2 if name == "mx_linear_gemm" else 1  # the dense GEMM reads the bf16 buffer; the others, fp8 or e2m1 bytes
+    BM, BN, BK = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"]
+    if name == "mx_linear_bwd":  # dx tile [BLOCK_M, BLOCK_K] over BLOCK_N-wide steps
+        return gemm_shared(BM, BK, BN, cfg["num_stages"], e, w)
+    return gemm_shared(BM, BN, BK, cfg["num_stages"], e, w)
+
+
+def _gemm_config(device: torch.device, M: int, N: int, K: int) -> dict:
+    defaults = dict(zip(_TILE_KEYS, _GEMM_TILES[capability(device) >= 90]))
+    return launch_config("mx_linear_gemm", device, defaults, dtype=torch.bfloat16, M=M, N=N, K=K)
+
+
+def _bf16_weight(data: Tensor, scale: Tensor, block: int) -> Tensor:
+    """dequant(W) [1, N, K] in bf16 (exact: an e2m1 value times a power of two)."""
+    return mx_dequantize(data, scale, "e2m1", block, torch.bfloat16)[None]
 
 
 def _linear_operands(x: Tensor, data: Tensor, scale: Tensor, fmt: str, block: int, act_fmt: str | None):
@@ -327,19 +375,36 @@ def mx_linear(
 ) -> Tensor:
     """`mx_linear_ref` on Triton: y = x @ dequant(W)^T, W [out, in] MX along `in`, fp32 accumulation, x's dtype.
 
-    act_fmt fake-quantises x's blocks in registers first. DOT_SCALED in the launch config picks tl.dot_scaled
-    (default on compute capability >= 10; only for block 32) over dequantise + tl.dot.
+    act_fmt fake-quantises x's blocks first. The launch config picks the path (module docstring): BUFFER_M,
+    DOT_SCALED (default on compute capability >= 10; only for block 32).
     """
     data, scale, n_out, k_in = _linear_operands(x, data, scale, fmt, block, act_fmt)
     x2 = x.reshape(-1, k_in).contiguous()
     m_rows = x2.shape[0]
-    y = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
     bf16_operands = x.dtype == torch.bfloat16 or act_fmt is not None  # x exact in bf16
     name = "mx_linear" if bf16_operands else "mx_linear_fp32"
-    tiles = (128, 128, 64, 8, 3) if bf16_operands else (64, 64, 32, 8, 2)  # no register spills on sm_90/sm_100
-    defaults = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), tiles))
-    defaults.update(DOT_SCALED=int(_native_dot_scaled(x.device)), GROUP_M=8)
-    cfg = launch_config(name, x.device, defaults, M=m_rows, N=n_out, K=k_in)
+    fast = capability(x.device) >= 90
+    if bf16_operands:
+        swap = fmt == "e2m1" and not _native_dot_scaled(x.device)
+        tiles = _SWAP_TILES[fast] if swap else (128, 128, 64, 8, 3)
+    else:
+        tiles = (64, 64, 32, 8, 2)  # no register spills on sm_90/sm_100
+    defaults = dict(zip(_TILE_KEYS, tiles))
+    defaults.update(DOT_SCALED=int(_native_dot_scaled(x.device)), GROUP_M=8, BUFFER_M=_BUFFER_M)
+    cfg = launch_config(name, x.device, defaults, dtype=x.dtype, M=m_rows, N=n_out, K=k_in)
+    dot_scaled = bool(cfg["DOT_SCALED"]) and block == 32
+    if bf16_operands and fmt == "e2m1" and not dot_scaled and m_rows and n_out:
+        xb = x2 if act_fmt is None else mx_fake_quantize(x2, act_fmt, block)
+        xb = xb.to(torch.bfloat16)  # exact: bf16 x, or at most 4 significant bits
+        if m_rows >= cfg["BUFFER_M"]:
+            y = torch.empty((1, m_rows, n_out), dtype=x.dtype, device=x.device)
+            grouped_mm(y, k_in, xb[None], _bf16_weight(data, scale, block), False, True,
+                       _gemm_config(x.device, m_rows, n_out, k_in))
+        else:
+            cfg["BLOCK_M"] = min(cfg["BLOCK_M"], max(16, triton.next_power_of_2(m_rows)))
+            y = mx_mm(xb[None], data[None], scale[None], block, cfg, out_dtype=x.dtype)
+        return y.view(*x.shape[:-1], n_out)
+    y = torch.empty((m_rows, n_out), dtype=x.dtype, device=x.device)
     block_k = max(cfg["BLOCK_K"], block)
     if m_rows and n_out:
         act = mx_format_constexprs(act_fmt or "e4m3")
@@ -347,7 +412,7 @@ def mx_linear(
         _mx_linear_kernel[grid](
             x2, data, scale, y, m_rows, n_out, k_in, E2M1=fmt == "e2m1", W_FMT=fmt, ACT=act_fmt is not None,
             A_FMT=act_fmt or "e4m3", A_BITS=mx_format(act_fmt or "e4m3").bits, **act, MX_BLOCK=block,
-            DOT_SCALED=bool(cfg["DOT_SCALED"]) and block == 32, DOT_BF16=bf16_operands and not interpreting(),
+            DOT_SCALED=dot_scaled, DOT_BF16=bf16_operands and not interpreting(),
             SPLITS={torch.float32: 3, torch.float16: 2, torch.bfloat16: 1}[x.dtype],
             BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=block_k, GROUP_M=cfg["GROUP_M"],
             EVEN_K=k_in % block_k == 0, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -363,11 +428,16 @@ def mx_linear_bwd(
     data, scale, n_out, k_in = _linear_operands(x, data, scale, fmt, block, act_fmt)
     g = grads[0].reshape(-1, n_out).contiguous()
     m_rows = g.shape[0]
-    dx = torch.empty((m_rows, k_in), dtype=x.dtype, device=x.device)
     bf16 = g.dtype == torch.bfloat16
     tiles = (128, 64, 128, 8, 3) if bf16 else (64, 32, 64, 8, 2)
-    defaults = dict(zip(("BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"), tiles), GROUP_M=8)
-    cfg = launch_config("mx_linear_bwd", x.device, defaults, M=m_rows, N=n_out, K=k_in)
+    defaults = dict(zip(_TILE_KEYS, tiles), GROUP_M=8, BUFFER_M=_BUFFER_M)
+    cfg = launch_config("mx_linear_bwd", x.device, defaults, dtype=g.dtype, M=m_rows, N=n_out, K=k_in)
+    if bf16 and fmt == "e2m1" and x.dtype == torch.bfloat16 and m_rows >= cfg["BUFFER_M"] and k_in:
+        dx = torch.empty((1, m_rows, k_in), dtype=x.dtype, device=x.device)
+        grouped_mm(dx, n_out, g[None], _bf16_weight(data, scale, block), False, False,
+                   _gemm_config(x.device, m_rows, k_in, n_out))
+        return [dx.view(x.shape)]
+    dx = torch.empty((m_rows, k_in), dtype=x.dtype, device=x.device)
     block_k = max(cfg["BLOCK_K"], block)
     if m_rows and k_in:
         grid = (triton.cdiv(m_rows, cfg["BLOCK_M"]) * triton.cdiv(k_in, block_k),)

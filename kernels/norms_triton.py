@@ -126,7 +126,7 @@ def _col_sum_kernel(part_ptr, out_ptr, P, N, BLOCK_P: tl.constexpr, BLOCK_N: tl.
     tl.store(out_ptr + cols, round_to(tl.sum(acc, axis=0), out_ptr.dtype.element_ty), mask=cols < N)
 
 
-def _row_config(kernel: str, device: torch.device, M: int, N: int, tile: int, per_thread: int,
+def _row_config(kernel: str, x: Tensor, M: int, N: int, tile: int, per_thread: int,
                 extra: dict | None = None) -> dict:
     """Launch config for a row kernel: whole rows of BLOCK_N, by default BLOCK_M rows to make about `tile`
     elements and enough warps for `per_thread` elements per thread (the backward holds more per element)."""
@@ -136,7 +136,7 @@ def _row_config(kernel: str, device: torch.device, M: int, N: int, tile: int, pe
     block_m = max(1, min(64, tile // block_n))
     warps = max(1, min(16, block_m * block_n // (32 * per_thread)))
     defaults = {"BLOCK_M": block_m, "num_warps": warps, "num_stages": 1, **(extra or {})}
-    cfg = launch_config(kernel, device, defaults, M=M, N=N)
+    cfg = launch_config(kernel, x.device, defaults, dtype=x.dtype, M=M, N=N)
     return {**cfg, "BLOCK_M": min(cfg["BLOCK_M"], max(1, MAX_TILE // block_n)), "BLOCK_N": block_n}
 
 
@@ -161,7 +161,7 @@ def _forward(op: str, x: Tensor, residual: Tensor | None, weight: Tensor | None,
         if s is not None:
             s.copy_(x + residual)
         return y, s
-    cfg = _row_config(op, x.device, M, N, tile=2048, per_thread=16)
+    cfg = _row_config(op, x, M, N, tile=2048, per_thread=16)
     grid = (triton.cdiv(M, cfg["BLOCK_M"]),)
     _norm_fwd_kernel[grid](
         xc, residual if residual is not None else xc, weight.contiguous() if weight is not None else xc,
@@ -191,7 +191,7 @@ def _backward(op: str, g_y: Tensor, g_s: Tensor | None, x: Tensor, residual: Ten
         return dx, dres, dw, dgate
     sum_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
     extra = {"PROGRAMS": 4 * sm_count(x.device)} if weight is not None else {}  # 4 programs per SM
-    cfg = _row_config(f"{op}_bwd", x.device, M, N, tile=1024, per_thread=8, extra=extra)
+    cfg = _row_config(f"{op}_bwd", x, M, N, tile=1024, per_thread=8, extra=extra)
     row_blocks = triton.cdiv(M, cfg["BLOCK_M"])
     programs = min(row_blocks, cfg["PROGRAMS"]) if weight is not None else row_blocks
     part = torch.empty((programs, N), dtype=torch.float32, device=x.device) if weight is not None else dx
@@ -204,7 +204,7 @@ def _backward(op: str, g_y: Tensor, g_s: Tensor | None, x: Tensor, residual: Ten
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     if weight is not None:
         csum = launch_config("norm_col_sum", x.device, {"BLOCK_P": 32, "BLOCK_N": 128, "num_warps": 4},
-                             P=programs, N=N)
+                             dtype=x.dtype, P=programs, N=N)
         _col_sum_kernel[(triton.cdiv(N, csum["BLOCK_N"]),)](
             part, dw, programs, N, BLOCK_P=csum["BLOCK_P"], BLOCK_N=csum["BLOCK_N"], num_warps=csum["num_warps"])
     return dx, dres, dw, dgate

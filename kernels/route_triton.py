@@ -132,7 +132,7 @@ def _launch_args(logits: Tensor, bias: Tensor | None, top_k: int, scoring: str, 
     x = logits.reshape(-1, E).contiguous()
     block_e = triton.next_power_of_2(E)
     defaults = {"BLOCK_T": max(1, min(64, _TILE_ELEMENTS // block_e)), "num_warps": 4, "num_stages": 1}
-    cfg = launch_config(kernel, logits.device, defaults, T=x.shape[0], E=E, K=top_k)
+    cfg = launch_config(kernel, logits.device, defaults, dtype=logits.dtype, T=x.shape[0], E=E, K=top_k)
     meta = dict(
         HAS_BIAS=bias is not None, SOFTMAX=scoring == "softmax", K=top_k, BLOCK_T=cfg["BLOCK_T"], BLOCK_E=block_e,
         BLOCK_K=max(2, triton.next_power_of_2(top_k)), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],

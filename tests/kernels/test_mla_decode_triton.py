@@ -68,8 +68,8 @@ def test_matches_expanded_attention_with_non_contiguous_query(config):
 
 @pytest.mark.parametrize("sms", [1, 64])
 def test_default_config_auto_splits(monkeypatch, sms):
-    # Default fp32 BLOCK_S = 16: S = 300 is 19 blocks. One SM -> one split; 64 SMs -> min(2 * 64 / 2 programs,
-    # 19 blocks / 8 per split) = 3 splits of 7 blocks (the last ragged), merged by the reduce kernel.
+    # Default fp32 BLOCK_S = 16: S = 300 is 19 blocks, at most 3 splits of 8 blocks. One SM (two program slots)
+    # -> one split fills it; 64 SMs -> 3 splits of 7 blocks (the last ragged), merged by the reduce kernel.
     monkeypatch.setattr(mdt, "sm_count", lambda device: sms)
     q, latent, w = _inputs(1, 2, 300, 3, 32, 16, 16, 24, seed=3)
     o = mdt.mla_decode_absorbed(q, latent, w, 0.2)
@@ -83,3 +83,19 @@ def test_bf16(config, splits):
     o = mdt.mla_decode_absorbed(q, latent, w, 0.2)
     ref = mla_decode_absorbed_ref(q, latent, w, 0.2)
     assert o.dtype == torch.bfloat16 and _rel_rms(o, ref) < 2e-2
+
+
+def test_split_count_fills_whole_waves():
+    assert mdt.split_count(32, 132, 64) == 4  # 128 programs: one wave on 132 SMs
+    assert mdt.split_count(200, 132, 64) == 3  # 600 programs in 660 slots; 1 or 2 splits fill only 76%
+    assert mdt.split_count(132, 132, 8) == 1
+    assert mdt.split_count(7, 132, 3) == 3  # capped by the cache's length: the fullest allowed
+    assert mdt.split_count(1, 1, 0) == 1
+
+
+def test_64_head_blocks_with_ragged_heads_and_splits(config):
+    # K3's decode block: 64 heads a program; H = 70 leaves a ragged second head block, 3 splits are merged.
+    config(BLOCK_H=64, BLOCK_S=16, SPLITS=3)
+    q, latent, w = _inputs(1, 2, 45, 70, 16, 16, 16, 16, seed=5)
+    o = mdt.mla_decode_absorbed(q, latent, w, 0.25)
+    assert _rel_rms(o, mla_decode_absorbed_ref(q, latent, w, 0.25)) < 1e-5

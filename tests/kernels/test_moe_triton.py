@@ -155,3 +155,39 @@ def test_rejects_bad_kind_and_mx_shapes():
     data, scale = mx_quantize_fast(torch.zeros(1, 16, 64), "e2m1", 32)  # K = 64, x has 32
     with pytest.raises(ValueError, match="does not match"):
         mt.mx_expert_glu(x, data, scale, data, scale, 32, "swiglu", *BETAS)
+
+
+@pytest.fixture(params=["tma", "pointers"])
+def loads(request, monkeypatch):
+    """Run once with TMA descriptors (the interpreter has them) and once with masked pointer loads (A100)."""
+    from k3compile.kernels import gemm_triton
+
+    if request.param == "pointers":
+        monkeypatch.setattr(gemm_triton, "use_tma", lambda device, *tensors: False)
+    return request.param
+
+
+def test_both_operand_paths_forward_and_backward(loads):
+    """Dense GLU and GEMM forward and backward, the dual-product dx and the weight gradients, on each load path."""
+    E, C, w, I = 2, 13, 48, 40
+    x, wg, wu = _buffer(E, C, w), _weight(E, I, w, 11), _weight(E, I, w, 12)
+    dy = torch.randn(E, C, I, generator=torch.Generator().manual_seed(13))
+    want = ref.expert_glu_ref(x, wg, wu, "situ_glu", *BETAS)
+    assert _rel_rms(mt.expert_glu(x, wg, wu, "situ_glu", *BETAS), want) <= 1e-5
+    got = mt.expert_glu_bwd([dy], x, wg, wu, "situ_glu", *BETAS)
+    for g, r in zip(got, ref.expert_glu_bwd_ref([dy], x, wg, wu, "situ_glu", *BETAS), strict=True):
+        assert _rel_rms(g, r) <= 1e-5
+
+
+@pytest.mark.parametrize("C", [3, 37])
+def test_mx_scale_words_and_few_tokens(loads, C):
+    """K = 128 (four E8M0 scales a row: the one-word scale loads) with 3 tokens (a decode step's narrow tile)
+    and 37 (a ragged 64-token tile)."""
+    E, I, w = 2, 128, 40
+    x = _buffer(E, C, I, seed=14)
+    data, scale = mx_quantize_fast(_weight(E, w, I, 15), "e2m1", 32)
+    y = mt.mx_expert_matmul(x, data, scale, 32)
+    assert _rel_rms(y, ref.mx_expert_matmul_ref(x, data, scale, 32)) <= 1e-5
+    gq = mx_quantize_fast(_weight(E, w, I, 16), "e2m1", 32)
+    got = mt.mx_expert_glu(x, data, scale, *gq, 32, "swiglu", *BETAS)
+    assert _rel_rms(got, ref.mx_expert_glu_ref(x, data, scale, *gq, 32, "swiglu", *BETAS)) <= 1e-5

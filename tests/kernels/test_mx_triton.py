@@ -263,3 +263,27 @@ def test_linear_bwd_matches_autograd(fmt, act_fmt, dtype, n_out, tol):
     (dx,) = tri.mx_linear_bwd([grad_y], x.detach(), data, scale, fmt, 32, act_fmt)
     assert dx.shape == x.shape and dx.dtype == dtype
     assert rel_rms(dx, expected) <= tol
+
+
+@pytest.mark.parametrize("act_fmt", [None, "e4m3"])
+def test_linear_bf16_weight_buffer_for_many_rows(monkeypatch, act_fmt):
+    """BUFFER_M = 1 sends every call through the bf16 weight buffer and the dense GEMM (large-M training and
+    prefill), forward and backward; K = 128 against the default 32- and 64-wide K tiles."""
+    real = mx_triton.launch_config
+
+    def config(kernel, device, defaults, **sizes):
+        return {**real(kernel, device, defaults, **sizes), "BUFFER_M": 1, "DOT_SCALED": 0}
+
+    monkeypatch.setattr(mx_triton, "launch_config", config)
+    data, scale = _weights("e2m1", 32, n_out=40, n_in=128)
+    g = torch.Generator().manual_seed(9)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 5e-3)):
+        x = torch.randn(3, 7, 128, generator=g).to(dtype)
+        if dtype == torch.float32 and act_fmt is None:
+            continue  # fp32 x: IEEE products in registers, no buffer
+        y = tri.mx_linear(x, data, scale, "e2m1", 32, act_fmt)
+        assert y.dtype == dtype and rel_rms(y, mx.mx_linear_ref(x, data, scale, "e2m1", 32, act_fmt)) <= tol
+    grad_y = torch.randn(3, 7, 40, generator=g).to(torch.bfloat16)
+    w = mx.mx_dequantize_ref(data, scale, "e2m1", 32, torch.float32)
+    (dx,) = tri.mx_linear_bwd([grad_y], x, data, scale, "e2m1", 32, act_fmt)
+    assert dx.dtype == torch.bfloat16 and rel_rms(dx, (grad_y.float() @ w).to(torch.bfloat16)) <= 5e-3

@@ -11,6 +11,7 @@ from k3compile.kernels.compare import rel_rms as _rel_rms
 SMALL = {
     "short_conv_fwd": {"BLOCK_T": 8, "BLOCK_C": 32},
     "short_conv_bwd": {"BLOCK_T": 16, "SUB_T": 8, "BLOCK_C": 32},
+    "short_conv_bwd_dx": {"BLOCK_T": 8, "BLOCK_C": 32},
     "short_conv_bwd_reduce": {"BLOCK_R": 2, "BLOCK_Q": 32},
 }
 
