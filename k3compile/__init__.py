@@ -12,8 +12,8 @@ def load(path):
 
 def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
           stop_after=None, init_from=None, extends_anywhere=False):
-    """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train)."""
-    from k3compile.runtime.train import train as _train
+    """Train a spec's or a build's Model; returns the metrics records (see k3compile.training.train)."""
+    from k3compile.training import train as _train
 
     return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from,
                   extends_anywhere)
