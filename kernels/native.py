@@ -161,6 +161,7 @@ class Buffer(NamedTuple):
 F32 = Buffer(torch.float32)
 F32_OR_NULL = Buffer(torch.float32, optional=True)
 I64 = Buffer(torch.int64)
+_F64 = torch.float64
 _PLAIN = (Tensor, torch.nn.Parameter)  # exact types: a subclass (DTensor, FakeTensor, ...) may have no CPU memory
 
 
@@ -168,9 +169,7 @@ def takes(*tensors: Tensor | None) -> bool:
     """Whether the C kernels can run on these tensors (after the fp32/contiguous copies `f32` makes): plain
     strided CPU tensors, none float64 (gradchecks keep the references). False: the caller runs the reference."""
     for t in tensors:
-        if t is None:
-            continue
-        if type(t) not in _PLAIN or t.device.type != "cpu" or t.layout != torch.strided or t.dtype == torch.float64:
+        if t is not None and not (type(t) in _PLAIN and t.is_cpu and t.layout is torch.strided and t.dtype is not _F64):
             return False
     return True
 
@@ -182,20 +181,19 @@ def check(kernel: str, index: int, t: Tensor | None, want: Buffer) -> int | None
         if want.optional:
             return None
         raise KernelInputError(f"{kernel}: argument {index} is None, expected a {want.dtype} tensor")
-    why = None
+    if type(t) in _PLAIN and t.is_cpu and t.dtype is want.dtype and t.layout is torch.strided and t.is_contiguous():
+        return t.data_ptr()
     if type(t) not in _PLAIN:
         why = f"a {type(t).__name__} (a tensor subclass); the C kernels read plain CPU tensors"
-    elif t.device.type != "cpu":
+    elif not t.is_cpu:
         why = f"on {t.device}; the C kernels run on the CPU"
     elif t.layout != torch.strided:
         why = f"a {t.layout} tensor; the C kernels read dense ones"
     elif t.dtype != want.dtype:
         why = f"{t.dtype}, expected {want.dtype}"
-    elif not t.is_contiguous():
+    else:
         why = "not contiguous"
-    if why is not None:
-        raise KernelInputError(f"{kernel}: argument {index} is {why}")
-    return t.data_ptr()
+    raise KernelInputError(f"{kernel}: argument {index} is {why}")
 
 
 class Kernel:
