@@ -50,3 +50,13 @@ def test_translations_cover_every_translated_op():
     table = k3compile.onnx_translations()
     assert table.keys() == translate.table(functions.define(18, "uint8")).keys()
     assert not {op._schema.name.removeprefix("k3::") for op in table} & set(translate.UNTRANSLATED)
+
+
+def test_private_exporter_refuses_another_torch(monkeypatch):
+    """k3compile export's one use of torch's internal exporter runs only on the pinned torch: one ExportError line."""
+    from k3compile.emit.onnx import export
+
+    export._check_torch()  # the installed torch is the pinned one
+    monkeypatch.setattr(torch, "__version__", "2.14.0+cpu")
+    with pytest.raises(export.ExportError, match=r"^k3compile export needs torch 2\.13\.x .* this is torch 2\.14\.0\+cpu;"):
+        export._check_torch()
