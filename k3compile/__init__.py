@@ -38,6 +38,20 @@ def export_onnx(build, out_dir, graph="infer", weights=None, mx="fp4", opset=Non
     return _export_onnx(build, out_dir, graph, weights, mx, DEFAULT_OPSET if opset is None else opset, check)
 
 
+def onnx_translations(opset=18, mx="uint8"):
+    """The k3 ops' translations for torch.onnx.export(..., dynamo=True, custom_translation_table=...) (docs/onnx.md)."""
+    from k3compile.emit.onnx.public import translations
+
+    return translations(opset, mx)
+
+
+def onnx_add_functions(onnx_program, opset=18, mx="uint8"):
+    """Complete torch.onnx.export's program (in place) with the k3 functions other k3 functions call (docs/onnx.md)."""
+    from k3compile.emit.onnx.public import add_functions
+
+    add_functions(onnx_program, opset, mx)
+
+
 def ablate(base, variants=(), grid=(), steps=None, tokens=None, seeds=None, tasks=None, mqar=None, data=None,
            overrides=(), eval_every=None, jobs=None, out=None, progress=False):
     """Train a base spec and its variants on the same data, seeds and budget; returns results.json's document
