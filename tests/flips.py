@@ -86,7 +86,7 @@ class Routes:
 
 
 class RouteRecorder(TorchDispatchMode):
-    """Records every k3::linear_route call (a whole forward's, or one decode step's), so a run's routing decisions
+    """Records every k3::linear_route or k3::moe_route call (a whole forward's, or one decode step's), so a run's routing decisions
     can be laid out per layer over [B, T]: `with RouteRecorder() as r: ...; r.layers(batch, moe_layers)`."""
 
     def __init__(self):
@@ -96,9 +96,12 @@ class RouteRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func._schema.name
-        assert name != "k3::moe_route", "a router on precomputed logits: record its input projection too"
-        if name == "k3::linear_route":
-            x, weight, bias, _, scoring = args[:5]
+        if name in ("k3::linear_route", "k3::moe_route"):
+            if name == "k3::linear_route":
+                x, weight, bias, _, scoring = args[:5]
+            else:  # a router on its logits: their projection is the identity
+                x, bias, _, scoring = args[:4]
+                weight = torch.eye(x.shape[-1], dtype=x.dtype)
             choice = out[2] if bias is None else out[2] + bias.to(out[2].dtype)
             self.calls.append((x.detach().clone(), weight.detach().clone(), choice.detach(), out[1].clone(), scoring))
         return out
@@ -118,14 +121,15 @@ class RouteRecorder(TorchDispatchMode):
 def route_slack(a: Routes, b: Routes) -> torch.Tensor:
     """[B, T, E]: how far an expert's choice score may move between the runs a and b, from their router inputs.
 
-    logit_e = w_e . x moves by at most ||w_e|| ||x_a - x_b|| plus each run's fp32 rounding of the dot product
-    (D ulps of ||w_e|| ||x||); the score by at most SCORE_SLOPE times that, plus a few ulps for the scoring and the
-    bias. Two experts swap only if their scores are within the sum of their slacks in both runs: a near-tie.
+    logit_e = w_e . x moves by at most ||w_e|| ||x_a - x_b|| plus each run's fp32 rounding of the D-term dot product
+    (sqrt(D) ulps of ||w_e|| ||x||, the probabilistic bound: rounding errors of a sum add like a random walk); the
+    score by at most SCORE_SLOPE times that, plus a few ulps for the scoring and the bias. Two experts swap only if
+    their scores are within the sum of their slacks in both runs: a near-tie.
     """
     w_E = a.weight_ED.double().norm(dim=-1)
     xa, xb = a.x_BTD.double(), b.x_BTD.double()
     size = torch.maximum(xa.norm(dim=-1), xb.norm(dim=-1))
-    dx = (xa - xb).norm(dim=-1) + 2 * xa.shape[-1] * FP32_EPS * size  # [B, T]
+    dx = (xa - xb).norm(dim=-1) + 2 * xa.shape[-1] ** 0.5 * FP32_EPS * size  # [B, T]
     return SCORE_SLOPE[a.scoring] * dx[..., None] * w_E + 4 * FP32_EPS
 
 
