@@ -184,3 +184,8 @@ def recorded(run, batch: int, spec) -> tuple:
     with torch.no_grad(), RouteRecorder() as rec:
         out = run()
     return out, rec.layers(batch, moe_layers(spec))
+
+
+def first_tokens(runs: list[Routes], t: int) -> list[Routes]:
+    """The routes of each layer's first `t` tokens (a longer run's prefix, to compare with a shorter run)."""
+    return [Routes(r.x_BTD[:, :t], r.weight_ED, r.choice_BTE[:, :t], r.indices_BTK[:, :t], r.scoring) for r in runs]

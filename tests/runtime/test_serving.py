@@ -1,5 +1,9 @@
 """Serving k3-tiny through its compiled prefill and decode graphs: prefill then decode equals a full forward
-(without quantisation and under the MX policy), batches of prompts of different lengths, packed experts."""
+(without quantisation and under the MX policy), batches of prompts of different lengths, packed experts.
+
+Without quantisation every token agrees to 1e-5; under the MX policy (MXFP8 expert activations) up to e4m3 flips
+(tests/flips.py). Router near-ties are excused as recorded, or where a run is not recorded token by token (a
+batch of prompts), wherever the full forward's router has one."""
 
 from __future__ import annotations
 
@@ -14,6 +18,8 @@ from k3compile.analysis.stats import spec_stats
 from k3compile.build import BuildOptions, build
 from k3compile.spec.load import load_spec
 
+from flips import assert_flip_aware, assert_tight, first_tokens, near_ties, recorded, route_changes
+
 K3_TINY = Path(__file__).resolve().parents[2] / "specs" / "k3-tiny.yaml"
 NO_QUANT = ["quantization.rules=[]", "quantization.qat=false"]
 PROMPTS = (1, 63, 64, 65, 200)  # around KDA's chunk of 64
@@ -21,18 +27,12 @@ STEPS = 3  # decode steps after each prompt
 TOKENS = torch.randint(0, 256, (1, max(PROMPTS) + STEPS), generator=torch.Generator().manual_seed(7))
 
 
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
-    return float((a - b).norm() / b.norm())
-
-
 def _served(tmp_path_factory, overrides: list[str]):
     spec = load_spec(K3_TINY, overrides)
     dest, _ = build(spec, tmp_path_factory.mktemp("serve"), BuildOptions(mode="infer"))
     model = k3compile.load(dest).InferenceModel().eval()
-    with torch.no_grad():
-        full = model(TOKENS)
-    return model, full
+    full, routes = recorded(lambda: model(TOKENS), 1, spec)
+    return model, full, routes
 
 
 @pytest.fixture(scope="module")
@@ -51,46 +51,58 @@ def rope(tmp_path_factory):
     return _served(tmp_path_factory, NO_QUANT + ["mla.rope=true"])
 
 
-def _prefill_then_decode(model, n: int) -> torch.Tensor:
-    with torch.no_grad():
+def _prefill_then_decode(model, n: int) -> tuple:
+    """(logits of a prefill of n tokens then STEPS decode steps, their routes)."""
+
+    def run():
         logits, cache = model.prefill(TOKENS[:, :n], max_len=n + STEPS)
         steps = [logits]
         for t in range(n, n + STEPS):
             step, cache = model.decode(TOKENS[:, t], cache)
             steps.append(step)
-    assert cache.lengths == [n + STEPS]
-    return torch.cat(steps, dim=1)
+        assert cache.lengths == [n + STEPS]
+        return torch.cat(steps, dim=1)
+
+    return recorded(run, 1, model.spec)
+
+
+def _claim(served, n: int, claim) -> None:
+    model, full, full_routes = served
+    got, routes = _prefill_then_decode(model, n)
+    claim(got, full[:, : n + STEPS], excused_BT=route_changes(routes, first_tokens(full_routes, n + STEPS)))
 
 
 @pytest.mark.parametrize("n", PROMPTS)
 def test_prefill_then_decode_equals_a_full_forward_without_quantisation(plain, n):
-    model, full = plain
-    assert rel(_prefill_then_decode(model, n), full[:, : n + STEPS]) <= 1e-5
+    _claim(plain, n, assert_tight)
 
 
 @pytest.mark.parametrize("n", PROMPTS)
 def test_prefill_then_decode_equals_a_full_forward_under_the_mx_policy(mx, n):
-    model, full = mx
-    assert rel(_prefill_then_decode(model, n), full[:, : n + STEPS]) <= 2e-3
+    _claim(mx, n, assert_flip_aware)
 
 
 @pytest.mark.parametrize("n", (1, 65))
 def test_prefill_then_decode_equals_a_full_forward_with_rotary_mla(rope, n):
-    model, full = rope
-    assert rel(_prefill_then_decode(model, n), full[:, : n + STEPS]) <= 1e-5
+    _claim(rope, n, assert_tight)
 
 
 @pytest.mark.parametrize("which", ["plain", "mx", "rope"])
 def test_a_batch_of_prompts_of_different_lengths_decodes_each_at_its_own_position(which, request):
-    model, full = request.getfixturevalue(which)
+    """Each prompt's last logits and each step's, against the full forward's rows, as [1, 3 prompts x (1 + STEPS)]
+    tokens."""
+    model, full, full_routes = request.getfixturevalue(which)
+    claim = assert_flip_aware if which == "mx" else assert_tight
     lengths = (5, 64, 37)
-    tol = 2e-3 if which == "mx" else 1e-5
     with torch.no_grad():
         last, cache = model.prefill_batch([TOKENS[0, :n] for n in lengths], max_len=max(lengths) + STEPS)
-        assert rel(last, torch.stack([full[0, n - 1] for n in lengths])) <= tol
+        got = [last]
         for k in range(STEPS):
             step, cache = model.decode(torch.stack([TOKENS[0, n + k] for n in lengths]), cache)
-            assert rel(step[:, 0], torch.stack([full[0, n + k] for n in lengths])) <= tol
+            got.append(step[:, 0])
+    positions = torch.tensor([[n - 1 + k for k in range(STEPS + 1)] for n in lengths]).T.flatten()  # as got's rows
+    want = full[0, positions]
+    claim(torch.cat(got)[None], want[None], excused_BT=near_ties(full_routes)[:, positions])
     assert cache.lengths == [n + STEPS for n in lengths]
     assert cache.positions.tolist() == cache.lengths
 
@@ -98,7 +110,7 @@ def test_a_batch_of_prompts_of_different_lengths_decodes_each_at_its_own_positio
 def test_routed_experts_stay_packed_while_decoding(mx):
     """The experts occupy exactly the MXFP4 bytes (payload + E8M0 scales) that `stats` counts, as packed buffers,
     and the decode graph reads them only by gathering the packed data and scales of the picked experts."""
-    model, _ = mx
+    model = mx[0]
     stats = spec_stats(model.spec)
     buffers = dict(model.named_buffers())
     packed = sum(buffers[p[k]].numel() * buffers[p[k]].element_size() for p in model.PACKED.values() for k in ("data", "scale"))
@@ -121,7 +133,7 @@ def test_one_decode_step_runs_at_most_2500_aten_calls(mx):
     bench/decode_ops.py counts them: the three-graph issue's bound (the eager decoder ran about 7,750)."""
     from torch.profiler import profile
 
-    model, _ = mx
+    model = mx[0]
     with torch.no_grad():
         _, cache = model.prefill(TOKENS[:, :20], max_len=24)
         _, cache = model.decode(TOKENS[:, 20], cache)
@@ -133,7 +145,7 @@ def test_one_decode_step_runs_at_most_2500_aten_calls(mx):
 
 def test_decode_shapes_never_change(mx):
     """Static caches: every cache tensor keeps its shape and storage from one decode step to the next."""
-    model, _ = mx
+    model = mx[0]
     with torch.no_grad():
         _, cache = model.prefill(TOKENS[:, :9], max_len=16)
         shapes = {k: v.shape for k, v in cache.tensors.items()}
@@ -147,6 +159,4 @@ def test_decode_shapes_never_change(mx):
 @pytest.mark.parametrize("field", ["kda.delta_rule=false", "kda.decay.granularity=head"])
 def test_kda_ablations_serve_through_prefill_and_decode(tmp_path_factory, field):
     """Gated linear attention (k3::gla_chunk / k3::gla_decode_step) and per-head decay in compiled graphs."""
-    model, full = _served(tmp_path_factory, NO_QUANT + ["num_layers=4", field])
-    got = _prefill_then_decode(model, 65)
-    assert rel(got, full[:, : 65 + STEPS]) <= 1e-5
+    _claim(_served(tmp_path_factory, NO_QUANT + ["num_layers=4", field]), 65, assert_tight)
