@@ -136,7 +136,7 @@ def _training_shapes(model) -> dict[str, tuple[int, ...]]:
 def pack_training_state(model, state: dict[str, Tensor]) -> dict[str, Tensor]:
     """An InferenceModel state_dict from a (whole) training one: each packed weight MX-quantised, the rest by
     name; an expert-parallel rank keeps its experts' rows."""
-    from k3compile.ops.mx import mx_quantize
+    from k3compile.kernels.mx.op import mx_quantize
 
     targets = model.state_dict()
     out = {}

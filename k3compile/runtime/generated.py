@@ -169,7 +169,7 @@ class GeneratedModule(nn.Module):
                 b.zero_()
         buffers = dict(self.named_buffers())
         for weight, pack in self.PACKED.items():
-            from k3compile.ops.mx import mx_quantize
+            from k3compile.kernels.mx.op import mx_quantize
 
             value = initial_value(weight, tuple(pack["shape"]), self.spec, buffers[pack["data"]].device)
             data, scale = mx_quantize(value, pack["fmt"], pack["block"])
@@ -331,7 +331,7 @@ class InferenceModule(GeneratedModule):
     @torch.no_grad()
     def dense_state_dict(self) -> dict[str, Tensor]:
         """The training Model's state_dict this model serves: packed weights dequantised (fp32), the rest as is."""
-        from k3compile.ops.mx import mx_dequantize
+        from k3compile.kernels.mx.op import mx_dequantize
 
         state = self.state_dict()
         packed = {p[k] for p in self.PACKED.values() for k in ("data", "scale")}

@@ -23,7 +23,7 @@ import torch
 
 from k3compile.build import BuildOptions
 from k3compile.kernels.binding import TRITON_KERNELS
-from k3compile.kernels.compare import rel_rms
+from k3compile.kernels._common.compare import rel_rms
 
 from flips import assert_flip_aware, assert_flip_aware_errors, assert_tight, recorded, route_changes
 from flips import without_activation_quantisation
