@@ -29,6 +29,7 @@ from flips import assert_flip_aware, assert_flip_aware_errors, assert_tight, rec
 from flips import without_activation_quantisation
 
 SEQ = 21  # ragged against KDA's chunk of 64 and every block size
+DECODED = 3  # decode steps after a prompt of SEQ - DECODED tokens
 
 
 def both(mode: str = "both") -> dict:
@@ -115,7 +116,7 @@ def _served(packages) -> dict:
     """{target: (the prompt's logits then each decode step's [2, SEQ, V], their routes)}: one prefill through
     each build's prefill graph, then decode steps through its decode graph (the KDA and MLA decode kernels on h200)."""
     tokens = torch.randint(0, 256, (2, SEQ), generator=torch.Generator().manual_seed(2))
-    prompt = SEQ - 3
+    prompt = SEQ - DECODED
     runs = {}
     for target, (_, package) in packages.items():
         model = package.InferenceModel()
@@ -136,7 +137,10 @@ def _served(packages) -> dict:
 def _claim(runs: dict, claim) -> None:
     (h200, h200_routes), (cpu, cpu_routes) = runs["h200"], runs["cpu"]
     print(f"h200 vs cpu logits rel RMS {rel_rms(h200, cpu):.2e}")
-    claim(h200, cpu, excused_BT=route_changes(h200_routes, cpu_routes))
+    excused = route_changes(h200_routes, cpu_routes)
+    claim(h200, cpu, excused_BT=excused)
+    decoded = slice(SEQ - DECODED - 1, SEQ)  # the prompt's last token and each step: the decode kernels' part
+    claim(h200[:, decoded], cpu[:, decoded], excused_BT=excused[:, decoded])
 
 
 def test_h200_prefill_and_decode_steps_match_the_cpu_build(packages):

@@ -220,16 +220,21 @@ def _split_vs_whole(model, tokens_BT: torch.Tensor, split: int) -> tuple:
     return stepped, whole, route_changes(stepped_routes, whole_routes)
 
 
+def _claim_split_vs_whole(model, tokens_BT: torch.Tensor, split: int, claim) -> None:
+    """`claim` on all tokens, and on the decoded ones alone (so the median cannot hide a wrong decode step)."""
+    stepped, whole, excused = _split_vs_whole(model, tokens_BT, split)
+    claim(stepped, whole, excused_BT=excused)
+    claim(stepped[:, split:], whole[:, split:], excused_BT=excused[:, split:])
+
+
 def test_prefill_then_decode_equals_one_prefill(infer):
     """Shipped spec (MXFP8 expert activations): equal up to e4m3 flips and router near-ties (tests/flips.py)."""
-    stepped, whole, excused = _split_vs_whole(infer, TOKENS, 8)
-    assert_flip_aware(stepped, whole, excused_BT=excused)
+    _claim_split_vs_whole(infer, TOKENS, 8, assert_flip_aware)
 
 
 def test_prefill_then_decode_equals_one_prefill_without_activation_quantisation(infer_unquantised):
     """Expert activations left unquantised (MXFP4 weights kept): every token to 1e-5, router near-ties aside."""
-    stepped, whole, excused = _split_vs_whole(infer_unquantised, TOKENS, 8)
-    assert_tight(stepped, whole, excused_BT=excused)
+    _claim_split_vs_whole(infer_unquantised, TOKENS, 8, assert_tight)
 
 
 @pytest.mark.slow
@@ -238,8 +243,7 @@ def test_prefill_then_decode_equals_one_prefill_over_many_token_seeds(infer, inf
     for seed in range(20):
         tokens_BT = torch.randint(0, 256, TOKENS.shape, generator=torch.Generator().manual_seed(100 + seed))
         for model, claim in ((infer_unquantised, assert_tight), (infer, assert_flip_aware)):
-            stepped, whole, excused = _split_vs_whole(model, tokens_BT, 8)
-            claim(stepped, whole, excused_BT=excused)
+            _claim_split_vs_whole(model, tokens_BT, 8, claim)
 
 
 def test_cache_bytes_kda_constant_mla_preallocated(infer, prefilled):
