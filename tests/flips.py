@@ -86,8 +86,8 @@ class Routes:
 
 
 class RouteRecorder(TorchDispatchMode):
-    """Records every k3::linear_route or k3::moe_route call (a whole forward's, or one decode step's), so a run's routing decisions
-    can be laid out per layer over [B, T]: `with RouteRecorder() as r: ...; r.layers(batch, moe_layers)`."""
+    """Records every k3::linear_route or k3::moe_route call (a whole forward's, or one decode step's), so a run's
+    routing decisions can be laid out per layer over [B, T]: `with RouteRecorder() as r: ...; r.layers(B, layers)`."""
 
     def __init__(self):
         super().__init__()

@@ -43,8 +43,8 @@ def uint8_model(tiny, tmp_path_factory):
 
 
 def _onnx_and_torch(path, graph, reference: bool) -> tuple:
-    """(the engine, the ONNX file's logits, the PyTorch module's, the tokens where its router has a near-tie) on --check's
-    inputs: ONNX Runtime's routes cannot be recorded, so every near-tie of PyTorch's is excused."""
+    """(the engine, the ONNX file's logits, the PyTorch module's, the tokens where its router has a near-tie) on
+    --check's inputs: ONNX Runtime's routes cannot be recorded, so every near-tie of PyTorch's is excused."""
     (tokens,) = k3check.random_inputs(graph, int(graph.module.spec.vocab_size))
     want, routes = recorded(lambda: graph.module(tokens), tokens.shape[0], graph.module.spec)
     (got, *_), engine = k3check.run_onnx(path, {"tokens": tokens.numpy()}, reference)
