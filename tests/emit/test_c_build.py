@@ -103,14 +103,16 @@ def _served(packages) -> dict:
 
 def _claim(runs: dict, claim) -> None:
     """`claim` on C vs references (prefill-then-decode, and one prefill) and prefill-then-decode vs one prefill,
-    each on all tokens and on the decoded ones alone (so the median cannot hide a wrong decode step)."""
+    each on all tokens; the tight claim also on the decoded ones alone (not the flip-aware one: a flip in the prompt
+    moves the later tokens of its sequence by ~1e-5, so the decoded few have no tight median)."""
     c, ref = runs["c"], runs["torch"]
     pairs = [(c[0], ref[0], route_changes(c[2], ref[2])), (c[1], ref[1], route_changes(c[3], ref[3])),
              (c[0], c[1], route_changes(c[2], c[3]))]  # fmt: skip
     print(f"c vs torch: rel RMS {rel_rms(c[0], ref[0]):.2e} stepped, {rel_rms(c[1], ref[1]):.2e} whole")
     for got, want, excused in pairs:
         claim(got, want, excused_BT=excused)
-        claim(got[:, -DECODED:], want[:, -DECODED:], excused_BT=excused[:, -DECODED:])
+        if claim is assert_tight:
+            claim(got[:, -DECODED:], want[:, -DECODED:], excused_BT=excused[:, -DECODED:])
 
 
 def test_prefill_then_decode_matches_the_reference_build_and_one_prefill(packages):

@@ -139,8 +139,9 @@ def _claim(runs: dict, claim) -> None:
     print(f"h200 vs cpu logits rel RMS {rel_rms(h200, cpu):.2e}")
     excused = route_changes(h200_routes, cpu_routes)
     claim(h200, cpu, excused_BT=excused)
-    decoded = slice(SEQ - DECODED - 1, SEQ)  # the prompt's last token and each step: the decode kernels' part
-    claim(h200[:, decoded], cpu[:, decoded], excused_BT=excused[:, decoded])
+    if claim is assert_tight:  # the decode kernels' part alone (a flip in the prompt moves it by ~1e-5)
+        decoded = slice(SEQ - DECODED - 1, SEQ)  # the prompt's last token and each step
+        claim(h200[:, decoded], cpu[:, decoded], excused_BT=excused[:, decoded])
 
 
 def test_h200_prefill_and_decode_steps_match_the_cpu_build(packages):

@@ -221,10 +221,12 @@ def _split_vs_whole(model, tokens_BT: torch.Tensor, split: int) -> tuple:
 
 
 def _claim_split_vs_whole(model, tokens_BT: torch.Tensor, split: int, claim) -> None:
-    """`claim` on all tokens, and on the decoded ones alone (so the median cannot hide a wrong decode step)."""
+    """`claim` on all tokens; the tight one also on the decoded ones alone (not the flip-aware one: a flip in the
+    prompt moves the later tokens of its sequence by ~1e-5, so the decoded few have no tight median)."""
     stepped, whole, excused = _split_vs_whole(model, tokens_BT, split)
     claim(stepped, whole, excused_BT=excused)
-    claim(stepped[:, split:], whole[:, split:], excused_BT=excused[:, split:])
+    if claim is assert_tight:
+        claim(stepped[:, split:], whole[:, split:], excused_BT=excused[:, split:])
 
 
 def test_prefill_then_decode_equals_one_prefill(infer):
