@@ -54,6 +54,19 @@ def test_logits_match_transformers(hf_model, imported, tokens, rel_max):
     assert rel_max(infer_logits, ref) < 1e-5
 
 
+def test_capacity_binds_on_this_draw_and_set_overrides_the_drop_free_default(hf_model, imported, tokens, tmp_path, k3, rel_max):
+    """The import is drop-free by default (n/k); with the schema's 1.25 these tokens overflow an expert buffer."""
+    hf, hf_dir = hf_model
+    assert load_spec(imported / "spec.yaml").moe.capacity_factor == 8 / 2
+    binding = tmp_path / "binding"
+    assert k3("import-hf", hf_dir, "-o", binding, "--mode", "train", "--set", "moe.capacity_factor=1.25") == 0
+    assert load_spec(binding / "spec.yaml").moe.capacity_factor == 1.25
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        assert rel_max(_model(binding)(tokens), ref) > 1e-3  # dropped choices change the logits
+        assert rel_max(_model(imported)(tokens), ref) < 1e-5
+
+
 def test_greedy_generation_matches_transformers(hf_model, imported, tokens):
     hf, _ = hf_model
     prompt = tokens[:1, :10]
