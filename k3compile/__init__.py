@@ -19,6 +19,14 @@ def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(),
                   extends_anywhere)
 
 
+def balance(model):
+    """Load balancing for your own loop: update `model`'s router biases from the training forwards since the last
+    call, by its spec's rule; call after each optimizer step (see k3compile.runtime.balance.balance)."""
+    from k3compile.runtime.balance import balance as _balance
+
+    return _balance(model)
+
+
 def from_hf(hf_dir, out=None, *, name=None, mode="both", overrides=(), max_shard_bytes=None, spec_only=False):
     """Import a Hugging Face Kimi Linear folder: spec, build and weights (k3compile.hf.convert.import_hf).
 
