@@ -11,12 +11,16 @@ def load(path):
 
 
 def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
-          stop_after=None, init_from=None, extends_anywhere=False):
-    """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train)."""
+          stop_after=None, init_from=None, extends_anywhere=False, log_every=None, callbacks=(), log=()):
+    """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train).
+
+    `callbacks`: functions called with each metrics record as it is logged; `log=("tensorboard",)` writes
+    TensorBoard events under the run folder.
+    """
     from k3compile.runtime.train import train as _train
 
     return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from,
-                  extends_anywhere)
+                  extends_anywhere, log_every, callbacks, log)
 
 
 def balance(model):

@@ -234,6 +234,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=_positive, metavar="K",
                    help="log the steps' numbers and update the progress bar every K steps (default: 1 on the CPU, 10 "
                    "on a GPU, where reading a loss makes the host wait for the GPU)")
+    p.add_argument("--log", action="append", default=[], choices=["tensorboard"],
+                   help="also log the metrics to TensorBoard (events under OUT/tensorboard; needs the tensorboard "
+                   "package)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="print the messages as plain lines without the progress bar (for logs and CI)")
     p.add_argument("--nproc", type=_positive, default=1, metavar="N",
                    help="train in N local processes (started with torch.distributed.run, gloo on CPU, NCCL on CUDA): "
                    "world N = dp x ep from the spec's parallel section (dp inferred as N / ep when left at 1); "
@@ -475,7 +480,8 @@ def _cmd_train(args) -> None:
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
               eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from,
-              extends_anywhere=args.extends_anywhere, log_every=args.log_every)
+              extends_anywhere=args.extends_anywhere, log_every=args.log_every, log=args.log,
+              progress="plain" if args.no_progress else True)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
 

@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -609,6 +609,37 @@ class _NoMetrics:
         pass
 
 
+# ---------------------------------------------------------------- loggers
+
+
+class TensorBoardLog:
+    """Each record's numbers as TensorBoard scalars (`train/loss`, `train/val_loss`, ...) at its step, written
+    under OUT/tensorboard."""
+
+    def __init__(self, out: Path):
+        self.writer = self.writer_class()(log_dir=str(out / "tensorboard"))
+
+    @staticmethod
+    def writer_class() -> type:
+        """torch's SummaryWriter; a one-line TrainError where the tensorboard package is missing."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise TrainError("--log tensorboard needs the tensorboard package: pip install tensorboard") from None
+        return SummaryWriter
+
+    def __call__(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+LOGGERS = {"tensorboard": TensorBoardLog}
+
+
 # ---------------------------------------------------------------- console
 
 
@@ -625,10 +656,20 @@ class _Quiet:
         pass
 
 
+class _Plain(_Quiet):
+    """The messages without a progress bar (progress="plain", `--no-progress`): one flushed line each."""
+
+    def print(self, *args, **kwargs) -> None:
+        print(*args, flush=True)
+
+
 @contextlib.contextmanager
-def _display(enabled: bool, total: int, name: str) -> Iterator:
+def _display(enabled: bool | str, total: int, name: str) -> Iterator:
     if not enabled:
         yield _Quiet()
+        return
+    if enabled == "plain":
+        yield _Plain()
         return
     from rich.console import Console
     from rich.progress import (
@@ -732,6 +773,8 @@ def train(
     init_from: str | Path | None = None,
     extends_anywhere: bool = False,
     log_every: int | None = None,
+    callbacks: Sequence[Callable[[dict], None]] = (),
+    log: Sequence[str] = (),
 ) -> list[dict]:
     """Train the spec's (or build's) Model for `steps` optimizer steps in total; returns the metrics records.
 
@@ -742,7 +785,9 @@ def train(
     (with a checkpoint) so a later `resume=True` call continues the same schedule; `init_from`: start from
     these weights instead of the seeded init (a weights folder such as `k3compile import-hf` output, or a
     checkpoint; resuming still restores the run's own checkpoint); `progress`: show a bar
-    and messages on the console (False: silent); `extends_anywhere`: let the spec's `extends:` leave its
+    and messages on the console ("plain": the messages without the bar, for non-interactive runs; False: silent);
+    `callbacks`: functions called with each metrics record as it is logged (rank 0); `log`: more loggers,
+    "tensorboard" (events under OUT/tensorboard; needs the tensorboard package); `extends_anywhere`: let the spec's `extends:` leave its
     root (k3compile.spec.load.spec_root); `log_every`: read the steps' numbers from the device, log them and
     update the progress bar every this many steps (default: 1 on the CPU, 10 on a GPU). Records hold step, loss,
     lr, tokens_per_s, imbalance, dropped, grad_norm and, when validated, val_loss (nats per byte). A build for a
@@ -754,6 +799,11 @@ def train(
     for name, value in (("eval_every", eval_every), ("stop_after", stop_after), ("log_every", log_every)):
         if value is not None and value < 1:
             raise TrainError(f"{name} must be at least 1, got {value}")
+    unknown = sorted(set(log) - set(LOGGERS))
+    if unknown:
+        raise TrainError(f"unknown logger {unknown[0]!r}; known: {', '.join(LOGGERS)}")
+    if "tensorboard" in log:
+        TensorBoardLog.writer_class()  # before anything is built or written
     spec, package = resolve(spec_or_build, overrides, extends_anywhere)
     device = run_device(package, spec, spec_or_build)  # a GPU target without a GPU: refused before anything is written
     try:
@@ -761,15 +811,15 @@ def train(
     except dist_rt.LayoutError as e:
         raise TrainError(str(e)) from None
     try:
-        return _train(spec, package, layout, steps, data, out, resume, eval_every, progress and layout.main,
-                      stop_after, init_from, log_every)
+        return _train(spec, package, layout, steps, data, out, resume, eval_every, progress if layout.main else False,
+                      stop_after, init_from, log_every, tuple(callbacks), tuple(log))
     finally:
         dist_rt.stop(layout)
 
 
 def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps: int, data, out, resume: bool,
-           eval_every: int | None, progress: bool, stop_after: int | None, init_from,
-           log_every: int | None = None) -> list[dict]:  # fmt: skip
+           eval_every: int | None, progress: bool | str, stop_after: int | None, init_from,
+           log_every: int | None = None, callbacks: tuple = (), log: tuple = ()) -> list[dict]:  # fmt: skip
     """`train` in this process of the dp x ep layout: rank 0 prepares the folder and the build, every rank trains."""
     if spec.vocab_size < VOCAB:
         raise TrainError(
@@ -790,11 +840,17 @@ def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps
                 package = build_package(spec, out / "build", lambda *a, **k: None)
             dist_rt.use_experts(layout)  # after the build: its passes run each graph in one process
             run = _setup(spec, package, corpus, train_tokens, val_tokens, out, init_from, layout)
+            loggers = [LOGGERS[name](out) for name in log] if layout.main else []
         except BaseException:
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
             raise
-        return _loop(run, steps, resume, eval_every or default_eval_every(steps), stop_after, display, log_every)
+        try:
+            return _loop(run, steps, resume, eval_every or default_eval_every(steps), stop_after, display, log_every,
+                         (*callbacks, *loggers) if layout.main else ())
+        finally:
+            for logger in loggers:
+                logger.close()
 
 
 def _setup(
@@ -847,7 +903,7 @@ def default_log_every(device: torch.device) -> int:
 
 
 def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int | None, display,
-          log_every: int | None = None) -> list[dict]:  # fmt: skip
+          log_every: int | None = None, callbacks: tuple = ()) -> list[dict]:  # fmt: skip
     say = display.print
     t = run.spec.training
     log_every = log_every or default_log_every(run.layout.device)
@@ -905,6 +961,8 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
             for r in done:
                 records.append(r)
                 log.append(r)  # before the checkpoint: a resume from it finds this step's record
+                for callback in callbacks:
+                    callback(dict(r))
             if validate:
                 save_checkpoint(run, n)
                 last_saved = n
