@@ -181,3 +181,18 @@ def test_output_must_be_absent_or_empty(hf_model, tmp_path, cli):
     rc, _, err = cli("import-hf", hf_model[1], "-o", out)
     assert rc == 2 and "not an empty folder" in err
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_the_tokenizer_files_are_copied(hf_model, tmp_path, k3):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    _, hf_dir = hf_model
+    source = tmp_path / "hf"
+    shutil.copytree(hf_dir, source)
+    Tokenizer(WordLevel({"[UNK]": 0, "def": 1, "main": 2}, unk_token="[UNK]")).save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 4096}')
+    assert k3("import-hf", source, "-o", tmp_path / "out", "--mode", "train") == 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (source / name).read_bytes()
+    assert not (tmp_path / "out" / "merges.txt").exists()
