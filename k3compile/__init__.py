@@ -11,7 +11,8 @@ def load(path):
 
 
 def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
-          stop_after=None, init_from=None, extends_anywhere=False, log_every=None, callbacks=(), log=()):
+          stop_after=None, init_from=None, extends_anywhere=False, log_every=None, callbacks=(), log=(), tokenizer=None,
+          data_dtype=None):
     """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train).
 
     `callbacks`: functions called with each metrics record as it is logged; `log=("tensorboard",)` writes
@@ -20,7 +21,7 @@ def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(),
     from k3compile.runtime.train import train as _train
 
     return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from,
-                  extends_anywhere, log_every, callbacks, log)
+                  extends_anywhere, log_every, callbacks, log, tokenizer, data_dtype)
 
 
 def balance(model):

@@ -220,7 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", type=_path, metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
     _add_extends_anywhere(p)
     p.add_argument("--steps", type=_integer, required=True, help="optimizer steps in total (the schedule's length)")
-    p.add_argument("--data", type=_path, help="a text file or a folder of text files (default: the Python stdlib's sources)")
+    p.add_argument("--data", type=_path, help="a text file or a folder of text files (default: the Python stdlib's "
+                   "sources; byte-level), a token-id file (.npy, or .bin with --data-dtype), or text with --tokenizer")
+    p.add_argument("--data-dtype", choices=["uint8", "uint16", "int16", "uint32", "int32", "int64"],
+                   help="the element type of a .bin token-id file")
+    p.add_argument("--tokenizer", type=_path, metavar="JSON_OR_FOLDER",
+                   help="encode the --data text with this tokenizers JSON (or a folder's tokenizer.json, e.g. import-hf's output)")
     p.add_argument("--out", type=_path, help="run folder (default: runs/<spec name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
@@ -481,7 +486,7 @@ def _cmd_train(args) -> None:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
               eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from,
               extends_anywhere=args.extends_anywhere, log_every=args.log_every, log=args.log,
-              progress="plain" if args.no_progress else True)
+              progress="plain" if args.no_progress else True, tokenizer=args.tokenizer, data_dtype=args.data_dtype)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
 

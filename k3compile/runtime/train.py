@@ -38,7 +38,9 @@ from k3compile.runtime import sharded_checkpoint as dcp_ckpt
 from k3compile.runtime.balance import (
     BalanceReadings, BalanceStats, find_routers, restore_stats, snapshot_stats, update_balance,
 )  # fmt: skip
-from k3compile.runtime.data import VOCAB, Batches, Corpus, eval_batches, load_corpus, split, unigram_entropy
+from k3compile.runtime.data import (
+    VOCAB, Batches, Corpus, eval_batches, load_corpus, load_tokens, split, unigram_entropy,
+)  # fmt: skip
 from k3compile.runtime.device import DeviceError, runtime_device, to_device
 from k3compile.runtime.muon import PerHeadMuon, default_use_muon, muon_precision
 from k3compile.runtime.precision import autocast, training_precision
@@ -301,7 +303,11 @@ class Run:
         return self.out / "checkpoints"
 
     def data_fingerprint(self) -> dict:
-        return {"source": self.corpus.source, "bytes": len(self.corpus.data), "crc32": zlib.crc32(self.corpus.data)}
+        c = self.corpus
+        if c.tokens is not None:  # token ids: their bytes as stored
+            raw = c.tokens.numpy().data
+            return {"source": c.source, "bytes": raw.nbytes, "crc32": zlib.crc32(raw)}
+        return {"source": c.source, "bytes": len(c.data), "crc32": zlib.crc32(c.data)}
 
 
 @dataclass
@@ -775,10 +781,14 @@ def train(
     log_every: int | None = None,
     callbacks: Sequence[Callable[[dict], None]] = (),
     log: Sequence[str] = (),
+    tokenizer: str | Path | None = None,
+    data_dtype: str | None = None,
 ) -> list[dict]:
     """Train the spec's (or build's) Model for `steps` optimizer steps in total; returns the metrics records.
 
-    `data`: a text file or folder (default: the Python stdlib's sources); `out`: the run folder (default
+    `data`: a text file or folder (default: the Python stdlib's sources; bytes are the tokens), a token-id file
+    (`.npy`, or `.bin` of `data_dtype`, memory-mapped), or with `tokenizer` (a `tokenizers` JSON, or a folder
+    holding tokenizer.json such as import-hf's output) a text file or folder encoded by it; `out`: the run folder (default
     runs/<spec name>) with build/, checkpoints/ and metrics.jsonl; `resume`: continue from the newest
     checkpoint there; `overrides`: `a.b=value` spec overrides (only training.* for a build); `eval_every`:
     validate (and checkpoint) every this many steps; `stop_after`: end this call after that many steps
@@ -812,22 +822,28 @@ def train(
         raise TrainError(str(e)) from None
     try:
         return _train(spec, package, layout, steps, data, out, resume, eval_every, progress if layout.main else False,
-                      stop_after, init_from, log_every, tuple(callbacks), tuple(log))
+                      stop_after, init_from, log_every, tuple(callbacks), tuple(log), (tokenizer, data_dtype))
     finally:
         dist_rt.stop(layout)
 
 
 def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps: int, data, out, resume: bool,
            eval_every: int | None, progress: bool | str, stop_after: int | None, init_from,
-           log_every: int | None = None, callbacks: tuple = (), log: tuple = ()) -> list[dict]:  # fmt: skip
+           log_every: int | None = None, callbacks: tuple = (), log: tuple = (),
+           tokens: tuple = (None, None)) -> list[dict]:  # fmt: skip
     """`train` in this process of the dp x ep layout: rank 0 prepares the folder and the build, every rank trains."""
-    if spec.vocab_size < VOCAB:
+    tokenizer, data_dtype = tokens
+    tokenized = tokenizer is not None or (data is not None and Path(data).suffix in (".npy", ".bin"))
+    if not tokenized and spec.vocab_size < VOCAB:
         raise TrainError(
             f"spec {spec.name!r} has vocab_size {spec.vocab_size}; byte-level training needs at least {VOCAB}"
         )
     t = spec.training
-    corpus = load_corpus(data)
-    train_tokens, val_tokens = split(corpus.data, t.seq_len)
+    if tokenized:
+        corpus = load_tokens(data, spec.vocab_size, dtype=data_dtype, tokenizer=tokenizer)
+    else:
+        corpus = load_corpus(data)
+    train_tokens, val_tokens = split(corpus.data if corpus.tokens is None else corpus.tokens, t.seq_len)
     out = Path(out) if out is not None else Path("runs") / spec.name
     created = prepare_out(out, resume) if layout.main else None
     with _display(progress, steps, spec.name) as display:
