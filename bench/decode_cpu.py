@@ -37,7 +37,7 @@ CONTEXTS = (256, 512, 1024, 2048, 4096, 8192, 16384)
 TILE_PROMPT = 64  # real tokens prefilled before tiling
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def filled_cache(model, n: int, max_len: int, fill: str, seed: int = 0):
     """A batch-1 cache with room for `max_len` tokens that holds `n` (real, or a real prompt's latents tiled)."""
     gen = torch.Generator().manual_seed(seed)
@@ -54,7 +54,7 @@ def filled_cache(model, n: int, max_len: int, fill: str, seed: int = 0):
     return cache
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def time_steps(step, model, cache, steps: int) -> tuple[float, float, object]:
     """(fastest wall seconds, mean CPU seconds) of `steps` decode steps after one warm-up, and the cache."""
     token = torch.zeros(1, dtype=torch.long)

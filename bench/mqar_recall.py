@@ -23,7 +23,8 @@ import torch
 from k3compile.ablation.mqar import MQAR, accuracy_by_query, held_out
 from k3compile.ablation.run import MQAR_HELD_OUT, mqar_run
 from k3compile.runtime.device import to_device
-from k3compile.runtime.train import EVAL_BATCHES, build_package, read_steps, train_step
+from k3compile.runtime.train import EVAL_BATCHES, read_steps, train_step
+from k3compile.training import build_package
 from k3compile.spec.load import load_spec
 
 

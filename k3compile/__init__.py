@@ -13,12 +13,12 @@ def load(path):
 def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
           stop_after=None, init_from=None, extends_anywhere=False, log_every=None, callbacks=(), log=(), tokenizer=None,
           data_dtype=None):
-    """Train a spec's or a build's Model; returns the metrics records (see k3compile.runtime.train.train).
+    """Train a spec's or a build's Model; returns the metrics records (see k3compile.training.train).
 
     `callbacks`: functions called with each metrics record as it is logged; `log=("tensorboard",)` writes
     TensorBoard events under the run folder.
     """
-    from k3compile.runtime.train import train as _train
+    from k3compile.training import train as _train
 
     return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from,
                   extends_anywhere, log_every, callbacks, log, tokenizer, data_dtype)
@@ -49,6 +49,20 @@ def export_onnx(build, out_dir, graph="infer", weights=None, mx="fp4", opset=Non
     from k3compile.emit.onnx.export import export_onnx as _export_onnx
 
     return _export_onnx(build, out_dir, graph, weights, mx, DEFAULT_OPSET if opset is None else opset, check)
+
+
+def onnx_translations(opset=18, mx="uint8"):
+    """The k3 ops' translations for torch.onnx.export(..., dynamo=True, custom_translation_table=...) (docs/onnx.md)."""
+    from k3compile.emit.onnx.public import translations
+
+    return translations(opset, mx)
+
+
+def onnx_add_functions(onnx_program, opset=18, mx="uint8"):
+    """Complete torch.onnx.export's program (in place) with the k3 functions other k3 functions call (docs/onnx.md)."""
+    from k3compile.emit.onnx.public import add_functions
+
+    add_functions(onnx_program, opset, mx)
 
 
 def ablate(base, variants=(), grid=(), steps=None, tokens=None, seeds=None, tasks=None, mqar=None, data=None,

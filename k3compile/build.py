@@ -8,11 +8,7 @@ meta device, so a 2.8T-parameter model builds in seconds with no weight memory.
 
 from __future__ import annotations
 
-import functools
-import importlib.metadata
 import json
-import keyword
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,12 +18,13 @@ from torch import fx
 from k3compile import __version__
 from k3compile.analysis.params import param_counts
 from k3compile.analysis.stats import spec_stats
-from k3compile.emit.codegen import model_source, spec_hash
+from k3compile.emit.codegen import model_source
 from k3compile.emit.package import check_dest, write_package
 from k3compile.ir.lower import MIXERS, build_model, lower
 from k3compile.modules.model import DEPTH_SITES
 from k3compile.ir.pass_manager import GraphPass, PassContext, PassManager, PassRecord
 from k3compile.ir.verify import format_graph
+from k3compile.spec.digest import package_name, spec_hash
 from k3compile.spec.schema import Spec
 
 REAL_WEIGHTS_MAX_PARAMS = 200_000_000  # above this, lower on the meta device
@@ -192,25 +189,6 @@ def build(
             files[f"graphs/{g}/{name}.txt"] = text.encode()
     dest = write_package(dest, files, {"compiler": __version__, "spec": spec.name})
     return dest, manifest
-
-
-def package_name(spec: Spec) -> str:
-    """The emitted package's folder, an importable identifier: 'k3-tiny' -> 'k3_tiny', 'class' -> 'k3_class'.
-
-    A name Python already imports something by ('torch', 'json', 'os') is prefixed too: `-o .` would
-    otherwise create ./torch/, which shadows the real package for any Python started in that folder.
-    """
-    name = "".join(c if c.isalnum() or c == "_" else "_" for c in spec.name)
-    clear = name[0].isalpha() and not keyword.iskeyword(name) and name not in importable_module_names()
-    return name if clear else f"k3_{name}"
-
-
-@functools.cache
-def importable_module_names() -> frozenset[str]:
-    """Top-level modules importable here whatever the working folder: the standard library's, the built-in
-    ones and those of every installed distribution (the same set on each call, unlike a sys.path search)."""
-    installed = importlib.metadata.packages_distributions()
-    return frozenset(sys.stdlib_module_names) | frozenset(sys.builtin_module_names) | frozenset(installed)
 
 
 def _init_source(spec: Spec, exports: list[str]) -> str:

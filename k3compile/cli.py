@@ -478,7 +478,8 @@ def _cmd_train(args) -> None:
     from k3compile.ir.pass_manager import NumericsMismatch, PassFailure
     from k3compile.runtime.checkpoint import CheckpointError
     from k3compile.runtime.data import DataError
-    from k3compile.runtime.train import TrainError, train
+    from k3compile.runtime.train import TrainError
+    from k3compile.training import train
 
     if args.nproc > 1 and "LOCAL_RANK" not in os.environ:
         return _launch_train(args)

@@ -19,12 +19,39 @@ from pathlib import Path
 from types import ModuleType
 
 from k3compile import safe_io
-from k3compile.emit.package import MARKER, is_build_dir, recorded_files
 
 MAX_FILE_BYTES = 256 << 20  # a full-size model's model.py and graph dumps are megabytes
 MAX_FILES = 10_000
 CODE = ("__init__.py", "model.py")  # what runs; with the manifest, a build cannot be without them
 REQUIRED = (*CODE, "manifest.json")
+
+MARKER = ".k3compile-build"  # a build folder's marker: what it wrote (k3compile.emit.package writes it)
+
+
+def is_build_dir(path: Path) -> bool:
+    """Whether `path` is a build folder (holds the marker a build writes)."""
+    return (path / MARKER).is_file()
+
+
+def file_hashes(files: dict[str, bytes]) -> dict[str, str]:
+    """relative path -> SHA-256 hex of its bytes: what the marker records."""
+    return {rel: hashlib.sha256(data).hexdigest() for rel, data in sorted(files.items())}
+
+
+def recorded_files(build: Path) -> dict[str, str] | None:
+    """The files (relative path -> SHA-256) the build at `build` wrote, or None for a marker without the list.
+
+    The marker is read through the bounded reader (never a link, a device or a FIFO); one that cannot be read,
+    or whose list is not names to digests, is a safe_io.FileError.
+    """
+    marker_path = build / MARKER
+    marker = safe_io.read_json(marker_path, safe_io.MAX_JSON_BYTES, follow=False)
+    files = marker.get("files") if isinstance(marker, dict) else None
+    if files is None:
+        return None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise safe_io.FileError(f"{marker_path} does not list the build's files as names and SHA-256 digests")
+    return files
 
 
 class BuildLoadError(ValueError):

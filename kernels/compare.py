@@ -12,8 +12,11 @@ from torch import Tensor
 
 
 def rel_rms(got: Tensor, want: Tensor) -> float:
-    """sqrt(mean((got - want)^2) / mean(want^2)); against an all-zero `want`, the plain RMS of `got`."""
+    """sqrt(mean((got - want)^2) / mean(want^2)); against an all-zero `want`, the plain RMS of `got`; inf if either
+    holds a NaN or an infinity, so a kernel (or reference) that overflows never compares as correct."""
     got, want = got.double(), want.double()
+    if not (bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())):
+        return math.inf
     err, ref = (got - want).pow(2).mean().item(), want.pow(2).mean().item()
     return math.sqrt(err / ref if ref > 0 else err)
 
@@ -28,7 +31,8 @@ def flat_tensors(out) -> list[Tensor]:
 
 
 def max_error(got, want) -> float:
-    """Largest `rel_rms` over the floating-point outputs; inf if the structure, a shape or an integer output differs."""
+    """Largest `rel_rms` over the floating-point outputs; inf if the structure, a shape or an integer output differs,
+    or a floating-point output holds a NaN or an infinity (never lost to `max`, which drops a NaN)."""
     got, want = flat_tensors(got), flat_tensors(want)
     if len(got) != len(want):
         return math.inf

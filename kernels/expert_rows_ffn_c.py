@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from k3compile.kernels import native
 from k3compile.kernels.expert_rows_ffn import activate_ref
 from k3compile.kernels.expert_rows_ffn import expert_rows_ffn as _ffn
 from k3compile.kernels.glu_c import glu_fill
@@ -15,7 +16,7 @@ from k3compile.kernels.glu_c import glu_fill
 
 def _activate(g: Tensor, u: Tensor, y: Tensor, jg: Tensor, ju: Tensor, kind: str, beta1: float, beta2: float,
               act_fmt: str | None, block: int) -> None:
-    if y.dtype != torch.float32 or g.dtype != torch.float32:
+    if y.dtype != torch.float32 or g.dtype != torch.float32 or not native.takes(g, u, y, jg, ju):
         return activate_ref(g, u, y, jg, ju, kind, beta1, beta2, act_fmt, block)
     glu_fill(g, u, y, jg, ju, kind, beta1, beta2, act_fmt, block)
 

@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Sequence
 from functools import lru_cache
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -146,20 +147,87 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
+class KernelInputError(TypeError):
+    """A C kernel was handed a tensor it cannot read (the message names the kernel, the argument and why)."""
+
+
+class Buffer(NamedTuple):
+    """A pointer argument of a C kernel: the dtype it reads and whether NULL (a None tensor) is allowed."""
+
+    dtype: torch.dtype
+    optional: bool = False
+
+
+F32 = Buffer(torch.float32)
+F32_OR_NULL = Buffer(torch.float32, optional=True)
+I64 = Buffer(torch.int64)
+_F64 = torch.float64
+_PLAIN = (Tensor, torch.nn.Parameter)  # exact types: a subclass (DTensor, FakeTensor, ...) may have no CPU memory
+
+
+def takes(*tensors: Tensor | None) -> bool:
+    """Whether the C kernels can run on these tensors (after the fp32/contiguous copies `f32` makes): plain
+    strided CPU tensors, none float64 (gradchecks keep the references). False: the caller runs the reference."""
+    for t in tensors:
+        if t is not None and not (type(t) in _PLAIN and t.is_cpu and t.layout is torch.strided and t.dtype is not _F64):
+            return False
+    return True
+
+
+def check(kernel: str, index: int, t: Tensor | None, want: Buffer) -> int | None:
+    """The data address of `t` for pointer argument `index` of C kernel `kernel`, after checking that the kernel
+    can read it (a plain, dense, contiguous CPU tensor of the declared dtype); KernelInputError otherwise."""
+    if t is None:
+        if want.optional:
+            return None
+        raise KernelInputError(f"{kernel}: argument {index} is None, expected a {want.dtype} tensor")
+    if type(t) in _PLAIN and t.is_cpu and t.dtype is want.dtype and t.layout is torch.strided and t.is_contiguous():
+        return t.data_ptr()
+    if type(t) not in _PLAIN:
+        why = f"a {type(t).__name__} (a tensor subclass); the C kernels read plain CPU tensors"
+    elif not t.is_cpu:
+        why = f"on {t.device}; the C kernels run on the CPU"
+    elif t.layout != torch.strided:
+        why = f"a {t.layout} tensor; the C kernels read dense ones"
+    elif t.dtype != want.dtype:
+        why = f"{t.dtype}, expected {want.dtype}"
+    else:
+        why = "not contiguous"
+    raise KernelInputError(f"{kernel}: argument {index} is {why}")
+
+
+class Kernel:
+    """A C function of the library, called with tensors for its pointer arguments: each one checked (`check`)."""
+
+    def __init__(self, name: str, argtypes: tuple):
+        self.name = name
+        self.buffers = tuple((i, a) for i, a in enumerate(argtypes) if isinstance(a, Buffer))
+        self.fn = getattr(library(), name)
+        self.fn.argtypes = [ctypes.c_void_p if isinstance(a, Buffer) else a for a in argtypes]
+        self.fn.restype = None
+
+    def __call__(self, *args) -> None:
+        if len(args) != len(self.fn.argtypes):
+            raise KernelInputError(f"{self.name}: {len(args)} arguments, expected {len(self.fn.argtypes)}")
+        args = list(args)
+        for i, want in self.buffers:
+            args[i] = check(self.name, i, args[i], want)
+        self.fn(*args)
+
+
 def f32(t: Tensor) -> Tensor:
     """`t` as the kernels read it: fp32, contiguous (no copy when it already is)."""
     return t.to(torch.float32).contiguous()
 
 
-def ptr(t: Tensor | None) -> int | None:
-    """A tensor's data address for a C kernel (None for an absent tensor: a NULL pointer)."""
-    return None if t is None else t.data_ptr()
+def expect_numel(kernel: str, what: str, t: Tensor, numel: int) -> None:
+    """KernelInputError unless `t` has `numel` elements: the C kernels size every read from other arguments."""
+    if t.numel() != numel:
+        raise KernelInputError(f"{kernel}: {what} has {t.numel()} elements, expected {numel}")
 
 
 @lru_cache(maxsize=None)
-def function(name: str, argtypes: tuple) -> ctypes._CFuncPtr:
-    """C function `name` of the library with its argument types declared (ctypes.c_void_p, c_int64, c_float)."""
-    fn = getattr(library(), name)
-    fn.argtypes = list(argtypes)
-    fn.restype = None
-    return fn
+def function(name: str, argtypes: tuple) -> Kernel:
+    """C function `name` of the library with its arguments declared (F32/F32_OR_NULL/I64 for tensors, ctypes.c_int64,
+    c_int or c_float for numbers): a Kernel, which checks every tensor it is given."""
+    return Kernel(name, argtypes)

@@ -24,6 +24,8 @@ ROOT = Path(__file__).resolve().parent.parent
 # folder would shadow the Hugging Face `kernels` package that transformers (5.25 and later) imports; the project
 # imports its own as k3compile.kernels (installed), so the repository root leaves the path.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+# tests/ itself goes on the path: its shared helpers (flips.py) are imported as top-level modules.
+sys.path.insert(0, str(ROOT / "tests"))
 SPECS = ROOT / "specs"
 K3 = SPECS / "kimi-k3.yaml"
 KIMI_LINEAR = SPECS / "kimi-linear-48b-a3b.yaml"

@@ -85,7 +85,7 @@ def _worker(args) -> dict | None:
 
 def _build(spec, build_dir: Path, say):
     """The variant's training Model (train graph only: a study never serves), reusing a matching build."""
-    from k3compile.runtime.train import build_package
+    from k3compile.training import build_package
 
     return build_package(spec, build_dir, say, mode="train")
 

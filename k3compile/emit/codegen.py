@@ -7,8 +7,6 @@ Nothing from the spec reaches the code unescaped: names and JSON go through
 from __future__ import annotations
 
 import ast
-import hashlib
-import json
 import re
 import sys
 import textwrap
@@ -17,16 +15,8 @@ import types
 from torch import fx
 
 from k3compile import __version__
+from k3compile.spec.digest import spec_hash, spec_json
 from k3compile.spec.schema import Spec
-
-
-def spec_json(spec: Spec) -> str:
-    """Canonical JSON of a spec: the same spec always gives the same text (and hash)."""
-    return json.dumps(spec.model_dump(mode="json"), sort_keys=True, separators=(",", ":"))
-
-
-def spec_hash(spec: Spec) -> str:
-    return hashlib.sha256(spec_json(spec).encode()).hexdigest()
 
 
 def _importable(obj) -> bool:

@@ -23,39 +23,14 @@ import tempfile
 from pathlib import Path
 
 from k3compile import safe_io
+from k3compile.loader import MARKER, file_hashes, is_build_dir, recorded_files  # noqa: F401  (the folder format)
 from k3compile.safe_io import fsync_path
 
-MARKER = ".k3compile-build"
 _OWN_CACHE = "__pycache__"  # importing a build writes bytecode there: not a foreign file
 
 
 class BuildDirError(Exception):
     """The output directory cannot be written: it is not a previous build, or the disk refused."""
-
-
-def is_build_dir(path: Path) -> bool:
-    return (path / MARKER).is_file()
-
-
-def file_hashes(files: dict[str, bytes]) -> dict[str, str]:
-    """relative path -> SHA-256 hex of its bytes: what the marker records."""
-    return {rel: hashlib.sha256(data).hexdigest() for rel, data in sorted(files.items())}
-
-
-def recorded_files(build: Path) -> dict[str, str] | None:
-    """The files (relative path -> SHA-256) the build at `build` wrote, or None for a marker without the list.
-
-    The marker is read through the bounded reader (never a link, a device or a FIFO); one that cannot be read,
-    or whose list is not names to digests, is a safe_io.FileError.
-    """
-    marker_path = build / MARKER
-    marker = safe_io.read_json(marker_path, safe_io.MAX_JSON_BYTES, follow=False)
-    files = marker.get("files") if isinstance(marker, dict) else None
-    if files is None:
-        return None
-    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
-        raise safe_io.FileError(f"{marker_path} does not list the build's files as names and SHA-256 digests")
-    return files
 
 
 def foreign_files(build: Path) -> list[str]:

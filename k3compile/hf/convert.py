@@ -188,7 +188,7 @@ def import_hf(
     `spec_only` writes OUT/spec.yaml alone, from config.json alone (no shards needed).
     """
     from k3compile.build import BuildOptions, build
-    from k3compile.emit.codegen import spec_json
+    from k3compile.spec.digest import spec_json
     from k3compile.loader import load
     from k3compile.runtime.shards import DEFAULT_SHARD_BYTES
     from k3compile.spec.load import load_spec

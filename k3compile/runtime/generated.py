@@ -252,8 +252,15 @@ class InferenceModule(GeneratedModule):
     EXPERT_PARALLEL = True  # the inference graphs exchange expert buffers too (shard_experts) when parallel.ep > 1
 
     def forward(self, tokens: Tensor) -> Tensor:
-        """Logits [B, T, V] of a full forward (the prefill graph from empty caches)."""
-        return self.prefill(tokens, max_len=tokens.shape[1])[0]
+        """Logits [B, T, V] of a full forward (the prefill graph from empty caches), without gradients.
+
+        torch.compile(fullgraph=True) and torch.export take it as it is: the token ids are checked on the host
+        in eager mode only (check_tokens), and the caches are made in the graph."""
+        check_tokens(self.spec, tokens)
+        with torch.no_grad():
+            caches = empty_caches(self.spec, tokens.shape[0], tokens.shape[1], self.embed.weight.device,
+                                  self._activation_dtype())
+            return self.prefill_graph(tokens, caches)[0]
 
     @torch.inference_mode()
     def new_cache(self, batch: int, max_len: int | None = None) -> DecodeCache:

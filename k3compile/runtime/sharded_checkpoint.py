@@ -212,7 +212,7 @@ def newest(where: Path) -> Path:
 def consolidate_run(checkpoint: Path, out: Path, build: Path | None = None) -> Path:
     """`k3compile consolidate`: the newest distributed checkpoint of a run (or the one named) as a single-file
     checkpoint in `out` (absent or empty), through the run's build (default RUN/build/<package>)."""
-    from k3compile.build import package_name
+    from k3compile.spec.digest import package_name
     from k3compile.loader import BuildLoadError, load
     from k3compile.runtime.generate import SERVING_FIELDS
     from k3compile.spec.schema import Spec

@@ -124,69 +124,9 @@ def run_device(package: ModuleType | None, spec: Spec | None = None, path: str |
         raise TrainError(str(e)) from None
 
 
-def _same_architecture(a: Spec, b: Spec) -> bool:
-    return a.model_dump(exclude={"training"}) == b.model_dump(exclude={"training"})
-
-
-def _why_not_reusable(dest: Path, spec: Spec, target: str, mode: str = "both") -> str | None:
-    """None when the build at `dest` is what training `spec` would build now, else why not (one phrase).
-
-    Reused only when all match: the architecture (training.* aside: it is not compiled in), a training
-    Model (and an InferenceModel unless `mode` is "train"), every pass run, this compiler version and the target.
-    """
-    from k3compile import __version__
-    from k3compile.build import pipeline
-
-    try:
-        manifest = safe_io.read_json(dest / "manifest.json", follow=False)
-        built = Spec.model_validate(manifest["spec"]["fields"])
-        compiler, modes, passes = manifest["compiler"], manifest["modes"], manifest["passes"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return "its manifest is unreadable"
-    if compiler != f"k3compile {__version__}":
-        return f"it was built by {compiler}"
-    if manifest.get("target") != target:
-        return f"it was built for {manifest.get('target')}, not {target}"
-    if "train" not in modes:
-        return "it has no training Model (built with --mode infer)"
-    if "infer" not in modes and mode != "train":
-        return "it has no InferenceModel to generate from (built with --mode train)"
-    skipped = [r.get("name") for r in passes.get("train", []) if r.get("status") != "ran"]
-    if skipped or [r.get("name") for r in passes.get("train", [])] != [p.name for p in pipeline()]:
-        return f"it was built with passes disabled ({', '.join(map(str, skipped)) or 'another pass list'})"
-    if not _same_architecture(built, spec):
-        return "its spec differs"
-    return None
-
-
-def build_package(spec: Spec, build_dir: Path, say, mode: str = "both") -> ModuleType:
-    """Build `spec` (train and infer graphs, or with `mode="train"` the train graph only) into `build_dir`,
-    reusing a build there that matches it (`_why_not_reusable`)."""
-    from k3compile.build import BuildOptions, build, package_name
-    from k3compile.emit.package import is_build_dir
-    from k3compile.loader import load
-
-    dest = build_dir / package_name(spec)
-    run_device(None, spec)  # a GPU target on a machine without one is refused before anything is built
-    target = spec.target
-    if is_build_dir(dest):
-        why = _why_not_reusable(dest, spec, target, mode)
-        if why is None:
-            say(f"reusing the build in {dest}")
-            return load(dest)
-        say(f"rebuilding {dest}: {why}")
-    graphs = "train graph" if mode == "train" else "train and infer graphs"
-    say(f"building {spec.name} ({graphs}) into {build_dir}")
-    try:
-        dest, _ = build(spec, build_dir, BuildOptions(mode=mode, target=target))
-    except ValueError as e:
-        raise TrainError(f"cannot build {spec.name}: {e}") from None
-    return load(dest)
-
-
 def _enclosing_build(path: Path) -> Path | None:
     """The build folder `path` is (or lies inside), or None."""
-    from k3compile.emit.package import is_build_dir
+    from k3compile.loader import is_build_dir
 
     path = path.absolute()
     return next((p for p in (path, *path.parents) if is_build_dir(p)), None)
@@ -398,7 +338,7 @@ def evaluate(run: Run) -> float:
 def save_checkpoint(run: Run, step: int) -> Path:
     """The run's checkpoint at `step`: one safetensors file in one process, a DCP checkpoint across processes."""
     from k3compile import __version__
-    from k3compile.emit.codegen import spec_hash, spec_json
+    from k3compile.spec.digest import spec_hash, spec_json
 
     meta = {
         "compiler": f"k3compile {__version__}",
@@ -473,7 +413,7 @@ def resume_from(run: Run, say) -> int:
     Everything is checked before anything is restored: the record (checkpoint.load), the model's tensors,
     the training metadata's types, the optimizer layout and state, the RNG states, finiteness.
     """
-    from k3compile.emit.codegen import spec_hash
+    from k3compile.spec.digest import spec_hash
 
     sharded = dcp_ckpt.committed(run.checkpoints)
     if sharded and (not ckpt.committed(run.checkpoints) or sharded[-1] >= ckpt.committed(run.checkpoints)[-1]):
@@ -774,7 +714,7 @@ def train(
     resume: bool = False,
     overrides: Sequence[str] = (),
     eval_every: int | None = None,
-    progress: bool = True,
+    progress: bool | str = True,
     stop_after: int | None = None,
     init_from: str | Path | None = None,
     extends_anywhere: bool = False,
@@ -783,6 +723,7 @@ def train(
     log: Sequence[str] = (),
     tokenizer: str | Path | None = None,
     data_dtype: str | None = None,
+    build: Callable[[Spec, Path, Callable], ModuleType] | None = None,
 ) -> list[dict]:
     """Train the spec's (or build's) Model for `steps` optimizer steps in total; returns the metrics records.
 
@@ -803,6 +744,8 @@ def train(
     lr, tokens_per_s, imbalance, dropped, grad_norm and, when validated, val_loss (nats per byte). A build for a
     GPU target trains on cuda:LOCAL_RANK (refused where there is no GPU). A first Ctrl-C or SIGTERM ends the run
     after the current step with a checkpoint and raises `Interrupted` (a KeyboardInterrupt carrying the signal).
+    `build(spec, build_dir, say)` builds a spec into an importable package; the runtime does not import the
+    compiler, so training a spec goes through `k3compile.training.train`, which passes the compiler's.
     """
     if steps < 1:
         raise TrainError(f"steps must be at least 1, got {steps}")
@@ -815,6 +758,8 @@ def train(
     if "tensorboard" in log:
         TensorBoardLog.writer_class()  # before anything is built or written
     spec, package = resolve(spec_or_build, overrides, extends_anywhere)
+    if package is None and build is None:
+        raise TrainError(f"{spec_or_build} is a spec: train it with k3compile.train (which builds it), or train a build")
     device = run_device(package, spec, spec_or_build)  # a GPU target without a GPU: refused before anything is written
     try:
         layout = dist_rt.start(spec, device=device)
@@ -822,7 +767,7 @@ def train(
         raise TrainError(str(e)) from None
     try:
         return _train(spec, package, layout, steps, data, out, resume, eval_every, progress if layout.main else False,
-                      stop_after, init_from, log_every, tuple(callbacks), tuple(log), (tokenizer, data_dtype))
+                      stop_after, init_from, log_every, tuple(callbacks), tuple(log), (tokenizer, data_dtype), build)
     finally:
         dist_rt.stop(layout)
 
@@ -830,7 +775,7 @@ def train(
 def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps: int, data, out, resume: bool,
            eval_every: int | None, progress: bool | str, stop_after: int | None, init_from,
            log_every: int | None = None, callbacks: tuple = (), log: tuple = (),
-           tokens: tuple = (None, None)) -> list[dict]:  # fmt: skip
+           tokens: tuple = (None, None), build: Callable | None = None) -> list[dict]:  # fmt: skip
     """`train` in this process of the dp x ep layout: rank 0 prepares the folder and the build, every rank trains."""
     tokenizer, data_dtype = tokens
     tokenized = tokenizer is not None or (data is not None and Path(data).suffix in (".npy", ".bin"))
@@ -850,10 +795,10 @@ def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps
         say = display.print
         try:
             if package is None and layout.main:
-                package = build_package(spec, out / "build", say)
+                package = build(spec, out / "build", say)
             dist_rt.barrier(layout)  # the other ranks load the build rank 0 wrote
             if package is None:
-                package = build_package(spec, out / "build", lambda *a, **k: None)
+                package = build(spec, out / "build", lambda *a, **k: None)
             dist_rt.use_experts(layout)  # after the build: its passes run each graph in one process
             run = _setup(spec, package, corpus, train_tokens, val_tokens, out, init_from, layout)
             loggers = [LOGGERS[name](out) for name in log] if layout.main else []

@@ -30,7 +30,7 @@ needs_posix = pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs /dev/z
 def saved(small_build, small_corpus, tmp_path_factory) -> Path:
     """A run folder holding the build and the distributed checkpoint of one training step."""
     import k3compile
-    from k3compile.emit.codegen import spec_hash, spec_json
+    from k3compile.spec.digest import spec_hash, spec_json
     from k3compile.runtime.data import load_corpus, split
     from k3compile.runtime.distributed import Layout
     from k3compile.runtime.generate import build_spec

@@ -24,6 +24,8 @@ from k3compile.modules.moe import RoutedExperts
 from k3compile.spec.load import load_spec
 from k3compile.spec.weights import activation_format, weight_inventory
 
+from flips import assert_flip_aware, assert_tight, without_activation_quantisation
+
 K3_TINY = Path(__file__).resolve().parents[2] / "specs" / "k3-tiny.yaml"
 TOKENS = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 LABELS = TOKENS.clone()
@@ -47,6 +49,15 @@ def pkg(tmp_path_factory):
     spec = load_spec(K3_TINY, ["moe.capacity_factor=8"])
     dest, _ = build(spec, tmp_path_factory.mktemp("cf8"), BuildOptions(cpu_kernels="torch"))
     return k3compile.load(dest)
+
+
+@pytest.fixture(scope="module")
+def infer_unquantised(tmp_path_factory):
+    """k3-tiny's InferenceModel with the experts' activations not quantised (weights still MXFP4)."""
+    spec = load_spec(K3_TINY, ["moe.capacity_factor=8"])
+    spec = load_spec(K3_TINY, ["moe.capacity_factor=8", *without_activation_quantisation(spec)])
+    dest, _ = build(spec, tmp_path_factory.mktemp("noact"), BuildOptions(cpu_kernels="torch"))
+    return k3compile.load(dest).InferenceModel()
 
 
 @pytest.fixture(scope="module")
@@ -163,16 +174,40 @@ def test_qat_training_graph_equals_the_eager_model_over_quantised_weights(model,
     assert rel(train_logits, logits) <= 1e-5
 
 
-def test_prefill_then_decode_equals_one_prefill(infer, prefilled):
-    full, _ = prefilled
+def _prefill_then_decode(infer, tokens_BT: torch.Tensor, split: int) -> torch.Tensor:
+    """Logits of a prefill of the first `split` tokens then one decode step per remaining token."""
+    T = tokens_BT.shape[1]
     with torch.no_grad():
-        logits, cache = infer.prefill(TOKENS[:, :8], max_len=12)
+        logits, cache = infer.prefill(tokens_BT[:, :split], max_len=T)
         steps = [logits]
-        for t in range(8, 12):
-            step, cache = infer.decode(TOKENS[:, t : t + 1], cache)
+        for t in range(split, T):
+            step, cache = infer.decode(tokens_BT[:, t : t + 1], cache)
             steps.append(step)
-    assert cache.lengths == [12, 12]
-    assert rel(torch.cat(steps, dim=1), full) <= 1e-5
+    assert cache.lengths == [T] * tokens_BT.shape[0]
+    return torch.cat(steps, dim=1)
+
+
+def test_prefill_then_decode_equals_one_prefill(infer, prefilled):
+    """Shipped spec (MXFP8 expert activations): equal up to e4m3 flips (tests/flips.py)."""
+    assert_flip_aware(_prefill_then_decode(infer, TOKENS, 8), prefilled[0])
+
+
+def test_prefill_then_decode_equals_one_prefill_without_activation_quantisation(infer_unquantised):
+    """Expert activations left unquantised (MXFP4 weights kept): every token to 1e-5."""
+    with torch.no_grad():
+        full, _ = infer_unquantised.prefill(TOKENS, max_len=TOKENS.shape[1])
+    assert_tight(_prefill_then_decode(infer_unquantised, TOKENS, 8), full)
+
+
+@pytest.mark.slow
+def test_prefill_then_decode_equals_one_prefill_over_many_token_seeds(infer, infer_unquantised):
+    """20 token seeds (TOKENS' shape, decode the last 4): tight without activation quantisation, flip-aware with."""
+    for seed in range(20):
+        tokens_BT = torch.randint(0, 256, TOKENS.shape, generator=torch.Generator().manual_seed(100 + seed))
+        for model, claim in ((infer_unquantised, assert_tight), (infer, assert_flip_aware)):
+            with torch.no_grad():
+                full, _ = model.prefill(tokens_BT, max_len=TOKENS.shape[1])
+            claim(_prefill_then_decode(model, tokens_BT, 8), full)
 
 
 def test_cache_bytes_kda_constant_mla_preallocated(infer, prefilled):

@@ -288,7 +288,7 @@ def _older_compiler(files, manifest):
 @pytest.mark.parametrize("edit", [None, _infer_only, _fuse_disabled, _older_compiler],
                          ids=lambda e: getattr(e, "__name__", "same"))
 def test_the_run_folders_build_is_reused_only_when_mode_passes_and_compiler_match(build, tmp_path, monkeypatch, edit):
-    from k3compile.runtime import train as train_module
+    from k3compile import training
 
     _copy_build(build, tmp_path / "build" / "k3_tiny", edit or (lambda files, manifest: None))
 
@@ -302,11 +302,11 @@ def test_the_run_folders_build_is_reused_only_when_mode_passes_and_compiler_matc
     said = []
     spec = load_spec(K3_TINY, list(SMALL))
     if edit is None:
-        package = train_module.build_package(spec, tmp_path / "build", said.append)
+        package = training.build_package(spec, tmp_path / "build", said.append)
         assert hasattr(package, "Model") and said == [f"reusing the build in {tmp_path / 'build' / 'k3_tiny'}"]
         return
     with pytest.raises(Rebuilt):
-        train_module.build_package(spec, tmp_path / "build", said.append)
+        training.build_package(spec, tmp_path / "build", said.append)
     assert not any("reusing" in s for s in said)
     reason = {"_infer_only": "no training Model", "_fuse_disabled": "passes disabled (fuse)",
               "_older_compiler": "built by k3compile 0.0.1"}[edit.__name__]

@@ -260,6 +260,19 @@ def _recording_library() -> k3fn.Library:
     return k3fn.define(MIN_OPSET, "uint8")
 
 
+PRIVATE_EXPORTER_TORCH = (2, 13)  # the torch whose internal exporter (torch.onnx._internal.exporter) `trace` calls
+
+
+def _check_torch() -> None:
+    """`trace` calls torch's internal exporter, whose functions change between releases: only the pinned torch."""
+    have = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    if have != PRIVATE_EXPORTER_TORCH:
+        want = ".".join(map(str, PRIVATE_EXPORTER_TORCH))
+        raise ExportError(f"k3compile export needs torch {want}.x (it calls torch's internal ONNX exporter), this is "
+                          f"torch {torch.__version__}; torch.onnx.export with k3compile.onnx_translations() is the "
+                          "public path (docs/onnx.md)")
+
+
 def trace(g: ExportGraph) -> ir.Model:
     """torch.export of `g`, translated by torch's exporter: the main graph at the exporter's opset (18), its
     k3 ops as calls of k3 functions, inputs and outputs named. The expensive half of an export; `finish`
@@ -270,6 +283,7 @@ def trace(g: ExportGraph) -> ir.Model:
     is skipped. It is most of the cost, and quadratic in the number of weights (torch's signature
     bookkeeping): on Kimi K3 (3012 weights) it took 78 s of CPU, the rest of the export 35.
     """
+    _check_torch()
     with _quiet(), torch.no_grad(), _lean_tracing():
         registry = _registration.ONNXRegistry.from_torchlib()
         for target, translation in translate.table(_recording_library()).items():
