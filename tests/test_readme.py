@@ -49,10 +49,11 @@ def test_using_it_block_parses_to_commands():
 @pytest.mark.slow
 def test_using_it_block_runs_top_to_bottom(tmp_path):
     """Every command of "Using it", in order, in a folder holding a copy of specs/ (a fresh clone's view), with
-    --steps N made 2: each must exit 0."""
+    --steps N made 2 and one thread per process (the test's CPU budget): each must exit 0."""
     shutil.copytree(ROOT / "specs", tmp_path / "specs")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
     env.pop("PYTHONPATH", None)
+    env["OMP_NUM_THREADS"] = "1"
     for command in using_it_commands():
         command = STEPS.sub("--steps 2", command)
         done = subprocess.run(command, shell=True, cwd=tmp_path, env=env, capture_output=True, text=True)
