@@ -72,7 +72,7 @@ def compiled(fn: Callable[[], object]) -> Callable[[], object]:
 
 
 def measure(case, time_ms, use_compile: bool, peaks: tuple[float, float] | None) -> dict:
-    from k3compile.kernels.compare import max_error
+    from k3compile.kernels._common.compare import max_error
 
     err = max_error(case.triton(), case.reference())
     row = {"kernel": case.name, "max err": err, "ok": err <= case.rtol}
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from k3compile.kernels.launch import device_target
+    from k3compile.kernels._common.launch import device_target
 
     if args.dry_run:
         device = "cpu"

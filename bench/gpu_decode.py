@@ -1,4 +1,4 @@
-"""GPU bench cases for the decoding kernels (kernels/kda_decode_triton.py, kernels/mla_decode_triton.py).
+"""GPU bench cases for the decoding kernels (kernels/kda/decode_triton.py, kernels/mla/triton.py).
 
 KDA: one decode step at B = 16..64 sequences, H = 32 heads, K = V = 128, bf16 q/k/v/beta, fp32 gates and state;
 memory-bound on the fp32 state, which is read once and written once (GB/s).
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 from gpu_case import GpuCase
 
-from k3compile.kernels import kda_decode_triton as kdt
-from k3compile.kernels import mla_decode_triton as mdt
-from k3compile.kernels.kda import kda_decode_step_ref
-from k3compile.kernels.mla import mla_decode_absorbed_ref
+from k3compile.kernels.kda import decode_triton as kdt
+from k3compile.kernels.mla import triton as mdt
+from k3compile.kernels.kda.reference import kda_decode_step_ref
+from k3compile.kernels.mla.reference import mla_decode_absorbed_ref
 
 RTOL = 1e-2  # bf16 outputs; the MLA kernel also rounds q_lat and P to bf16 for the tensor-core dots
 

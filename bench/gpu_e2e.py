@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ["TRITON_INTERPRET"] = "1"  # before any kernel module is imported
     import torch
 
-    from k3compile.kernels.launch import device_target
+    from k3compile.kernels._common.launch import device_target
 
     if not args.dry_run and not torch.cuda.is_available():
         print("bench/gpu_e2e.py: no CUDA GPU here; nothing to measure (use --dry-run to check the script on CPU)")

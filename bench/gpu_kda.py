@@ -1,4 +1,4 @@
-"""GPU bench cases: chunked KDA (kernels/kda_triton.py) against the PyTorch chunked form (kernels/kda.py).
+"""GPU bench cases: chunked KDA (kernels/kda/triton.py) against the PyTorch chunked form (kernels/kda/reference.py).
 
 K3 shapes: B=1..2, T=8192, H=32, K=V=128, chunks of C=64, with an initial state; inputs as the layer makes
 them (q, k L2-normalised per head, g = -5 sigmoid(x), beta = sigmoid(x)). fp32 cases hold the 1e-4 bar;
@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 from gpu_case import GpuCase
 
-from k3compile.kernels import kda as ref
-from k3compile.kernels import kda_triton
+from k3compile.kernels.kda import reference as ref
+from k3compile.kernels.kda import triton as kda_triton
 
 FP32 = 4
 

@@ -10,9 +10,10 @@ from __future__ import annotations
 import torch
 from gpu_case import GpuCase
 
-from k3compile.kernels import kda_gate_triton, short_conv_triton
-from k3compile.kernels.kda import kda_gate_ref
-from k3compile.kernels.short_conv import short_conv_ref
+from k3compile.kernels.kda import gate_triton as kda_gate_triton
+from k3compile.kernels.short_conv import triton as short_conv_triton
+from k3compile.kernels.kda.reference import kda_gate_ref
+from k3compile.kernels.short_conv.reference import short_conv_ref
 
 BF16 = 2  # bytes per element
 FP32 = 4

@@ -1,4 +1,4 @@
-"""GPU bench cases for the MoE expert grouped GEMMs (kernels/moe_triton.py) against eager PyTorch.
+"""GPU bench cases for the MoE expert grouped GEMMs (kernels/experts/triton.py) against eager PyTorch.
 
 K3-like slice: 64 of the 896 experts, capacity C = 256 rows each, latent w = 2048, expert intermediate
 I = 1536, bf16 activations with bf16 or MXFP4 (e2m1, block 32) weights. The references are the eager
@@ -10,9 +10,9 @@ from __future__ import annotations
 import torch
 from gpu_case import GpuCase
 
-from k3compile.kernels import moe_triton as mt
-from k3compile.kernels.activations import situ_glu_ref
-from k3compile.kernels.mx import mx_dequantize_fast, mx_quantize_fast
+from k3compile.kernels.experts import triton as mt
+from k3compile.kernels.activations.reference import situ_glu_ref
+from k3compile.kernels.mx.reference import mx_dequantize_fast, mx_quantize_fast
 
 BETAS = (4.0, 25.0)
 BLOCK = 32

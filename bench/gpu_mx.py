@@ -1,4 +1,4 @@
-"""GPU bench cases for the MX Triton kernels (kernels/mx_triton.py) against kernels/mx.py's `_fast` functions.
+"""GPU bench cases for the MX Triton kernels (kernels/mx/triton.py) against kernels/mx/reference.py's `_fast` functions.
 
 Quantisers are memory-bound: GB/s counts the input read once and the payload + scales (or the fake-quantised
 values) written once; FLOPs are a rough 8 integer/float ops per element, for the record. They must match the
@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from gpu_case import GpuCase
 
-from k3compile.kernels import mx
-from k3compile.kernels import mx_triton as tri
+from k3compile.kernels.mx import reference as mx
+from k3compile.kernels.mx import triton as tri
 
 BLOCK = 32
 RTOL_BF16 = 1e-2  # bf16 outputs: a last-bit rounding difference is ~4e-3 relative

@@ -1,4 +1,4 @@
-"""GPU bench cases for the norm and GLU Triton kernels (kernels/norms_triton.py, kernels/activations_triton.py).
+"""GPU bench cases for the norm and GLU Triton kernels (kernels/norms/triton.py, kernels/activations/triton.py).
 
 All memory-bound: GB/s counts each tensor read or written once (bf16, 2 bytes an element); the weight
 gradient's fp32 partial rows are scratch, not counted. FLOPs are rough per-element counts, for the record.
@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 from gpu_case import GpuCase
 
-from k3compile.kernels import activations as act_ref
-from k3compile.kernels import activations_triton as act_tri
-from k3compile.kernels import norms as norm_ref
-from k3compile.kernels import norms_triton as norm_tri
+from k3compile.kernels.activations import reference as act_ref
+from k3compile.kernels.activations import triton as act_tri
+from k3compile.kernels.norms import reference as norm_ref
+from k3compile.kernels.norms import triton as norm_tri
 
 EPS = 1e-5
 BETA1, BETA2 = 4.0, 25.0

@@ -10,10 +10,11 @@ from __future__ import annotations
 import torch
 from gpu_case import GpuCase
 
-from k3compile.kernels import attn_res_triton, route_triton
-from k3compile.kernels.attn_res import attn_res_ref
-from k3compile.kernels.fused import linear_route_ref
-from k3compile.kernels.moe import route_ref
+from k3compile.kernels.attn_res import triton as attn_res_triton
+from k3compile.kernels.moe import triton as route_triton
+from k3compile.kernels.attn_res.reference import attn_res_ref
+from k3compile.kernels.fused.reference import linear_route_ref
+from k3compile.kernels.moe.reference import route_ref
 
 BF16 = 2  # bytes per element
 FP32 = 4

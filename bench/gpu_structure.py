@@ -4,7 +4,7 @@
     python bench/gpu_structure.py --target h200 --only mla
     python bench/gpu_structure.py --json out.json    # also write the reports (tests/kernels/test_gpu_structure.py)
 
-Each case calls a kernel wrapper on meta tensors of the K3 shapes bench/gpu.py times; kernels/sm_check.py
+Each case calls a kernel wrapper on meta tensors of the K3 shapes bench/gpu.py times; kernels/_common/sm_check.py
 intercepts the launches it would make on the target (that target's launch configurations and SM count),
 compiles each for the target's architecture and reports shared memory per program, registers and spilled bytes
 per thread (ptxas), and whether the main products run on wgmma / tcgen05 (`wgmma`) or mma.sync (`mma`), and
@@ -37,10 +37,10 @@ def cases() -> dict[str, Callable[[], object]]:
     """Case name -> a call of the kernel wrapper at bench/gpu.py's K3 shape (bf16 unless named)."""
     import torch
 
-    from k3compile.kernels import mla_decode_triton as mdt
-    from k3compile.kernels import moe_triton as mt
-    from k3compile.kernels import mx_triton as mx
-    from k3compile.kernels import short_conv_triton as sct
+    from k3compile.kernels.mla import triton as mdt
+    from k3compile.kernels.experts import triton as mt
+    from k3compile.kernels.mx import triton as mx
+    from k3compile.kernels.short_conv import triton as sct
 
     u8 = torch.uint8
     E, C, w, I = 64, 256, 2048, 1536  # bench/gpu_moe.py
@@ -77,7 +77,7 @@ def cases() -> dict[str, Callable[[], object]]:
 
 def run(targets: tuple[str, ...], only: list[str], log: Callable[[str], None]) -> list[dict]:
     """One row per (case, target, launched kernel): the compiled kernel's report as a dict."""
-    from k3compile.kernels import sm_check
+    from k3compile.kernels._common import sm_check
 
     rows = []
     for name, call in cases().items():

@@ -20,8 +20,8 @@ from functools import partial
 
 import torch
 
-from k3compile.kernels import mx
-from k3compile.ops import mx as ops
+from k3compile.kernels.mx import reference as mx
+from k3compile.kernels.mx import op as ops
 
 _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32}
 

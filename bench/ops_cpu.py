@@ -38,8 +38,8 @@ import torch
 import torch.nn.functional as F
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3.*)
-from k3compile.kernels.kda import chunk_for
-from k3compile.ops.kda import kda
+from k3compile.kernels.kda.reference import chunk_for
+from k3compile.kernels.kda.op import kda
 
 Times = tuple[float, float]  # (wall, CPU) seconds
 
@@ -156,7 +156,12 @@ class Case:
 def ratio_cases(tiny: bool) -> list[Case]:
     """The ops with hand-written backwards at k3-tiny's training shapes (batch 8 x 128), their C kernels, and two
     for scale."""
-    from k3compile.kernels import activations, attn_res, experts, fused, norms, short_conv
+    from k3compile.kernels.activations import reference as activations
+    from k3compile.kernels.attn_res import reference as attn_res
+    from k3compile.kernels.experts import reference as experts
+    from k3compile.kernels.fused import reference as fused
+    from k3compile.kernels.norms import reference as norms
+    from k3compile.kernels.short_conv import reference as short_conv
 
     gen = torch.Generator().manual_seed(0)
     N, D, H, Kh, I, E, Cap, L = (64, 32, 2, 16, 48, 4, 16, 16) if tiny else (1024, 256, 4, 64, 768, 32, 192, 128)
@@ -200,7 +205,7 @@ def ratio_cases(tiny: bool) -> list[Case]:
 def c_kernel_cases(randn: Callable, N: int, D: int, H: int, Kh: int, I: int) -> list[Case]:
     """The same ops through their C kernels (backend "c", what a CPU build binds), and the C kernels of the ops
     only a CPU build runs (attn_res_normed, kda_gate, moe_combine); none where the C kernels cannot be built."""
-    from k3compile.kernels import native
+    from k3compile.kernels._common import native
 
     if not native.available()[0]:
         return []

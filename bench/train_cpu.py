@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 import k3compile
-from k3compile.kernels import native
+from k3compile.kernels._common import native
 from k3compile.modules.model import K3Model
 from k3compile.runtime.muon import muon_precision
 from k3compile.runtime.train import make_optimizer

@@ -1,4 +1,4 @@
-"""Tune the Triton kernels' launch configurations on this GPU and merge them into kernels/configs/<target>.json.
+"""Tune the Triton kernels' launch configurations on this GPU and merge them into kernels/_common/configs/<target>.json.
 
     python bench/tune_gpu.py                               # every kernel bench/gpu.py runs, K3 shapes, ~7 minutes
     python bench/tune_gpu.py --only expert_matmul,mla      # cases or kernels whose name contains one of these
@@ -14,7 +14,7 @@ whose outputs no longer match the reference is skipped. The plan (cases, kernels
 printed first: the trials per kernel shrink to fit --budget seconds, and the run stops starting new kernels when
 the budget is spent.
 
-Results are written per kernel and dtype as open-ended buckets (k3compile.kernels.launch): one per tuned size,
+Results are written per kernel and dtype as open-ended buckets (k3compile.kernels._common.launch): one per tuned size,
 largest first, each covering the sizes from its own up to the next larger tuned one, the smallest everything
 below, so calls larger than any tuned size keep the largest one's configuration. Merging replaces only the
 (kernel, dtype) pairs tuned in this run; the file is replaced atomically.
@@ -105,7 +105,7 @@ def _torch_dtype(name: str | None):
 def plan_jobs(cases, kernels: dict, only: list[str], trials: int, limit: int | None) -> list[Job]:
     """The (case, kernel) jobs: each case's launches recorded once; candidates over `limit` bytes of shared memory
     (the module's shared_bytes) left out."""
-    from k3compile.kernels.launch import recording
+    from k3compile.kernels._common.launch import recording
 
     # A text that names no case names kernels: then every case runs once to see which kernels it launches.
     kernel_texts = [t for t in only if not any(t in c.name for c in cases)]
@@ -135,7 +135,7 @@ def plan_jobs(cases, kernels: dict, only: list[str], trials: int, limit: int | N
 
 def run_job(job: Job, reference, time_ms, max_error, deadline: float, log) -> None:
     """Time each candidate of `job` that still matches the reference; keep the fastest."""
-    from k3compile.kernels.launch import forcing
+    from k3compile.kernels._common.launch import forcing
 
     for config in job.configs:
         if time.perf_counter() > deadline:
@@ -214,8 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     sys.path.insert(0, str(Path(__file__).parent))
     import gpu
 
-    from k3compile.kernels.compare import max_error
-    from k3compile.kernels.launch import DEVICES, device_target
+    from k3compile.kernels._common.compare import max_error
+    from k3compile.kernels._common.launch import DEVICES, device_target
 
     if not args.dry_run and not torch.cuda.is_available():
         print("bench/tune_gpu.py: no CUDA device; use --dry-run to check the script on CPU", file=sys.stderr)

@@ -184,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="propagate shapes through the whole graph after every pass (default: only where a pass "
                    "changed it, and fully once at the end)")
     p.add_argument("--cpu-kernels", choices=("auto", "c", "torch"), default="auto",
-                   help="CPU target: auto (default) binds the C kernels (kernels/csrc, compiled once for this CPU) "
+                   help="CPU target: auto (default) binds the C kernels (kernels/*/*.c, compiled once for this CPU) "
                    "where they build, else the PyTorch references; c insists on them; torch keeps the references")
     p.add_argument("--onnx", action="store_true",
                    help="then export every graph of the build to DIR/<name>/onnx/<graph>.onnx (k3compile export's defaults)")

@@ -4,8 +4,8 @@ Every k3 op has a PyTorch reference (the fallback everywhere). GPU targets use t
 here where there is one: `TRITON_KERNELS` maps an op to "<module>.<function>" under k3compile.kernels, a
 function with the op's own signature; the same module's "<function>_bwd", when present, is the op's
 backward. The CPU target uses the C kernel `C_KERNELS` names, in the same form, where the machine can
-build them (k3compile.kernels.native); `cpu_kernels="torch"` keeps every reference. Launch configurations come from
-`kernels/configs/<target>.json` (see k3compile.kernels.launch), by kernel module; an op's record is
+build them (k3compile.kernels._common.native); `cpu_kernels="torch"` keeps every reference. Launch configurations come from
+`kernels/_common/configs/<target>.json` (see k3compile.kernels._common.launch), by kernel module; an op's record is
 its module's tuned kernels.
 """
 
@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Callable
 from functools import lru_cache
 
-from k3compile.kernels.launch import GPU_TARGETS, TARGETS, module_configs
+from k3compile.kernels._common.launch import GPU_TARGETS, TARGETS, module_configs
 
 __all__ = [
     "CPU_KERNEL_CHOICES", "C_KERNELS", "GPU_TARGETS", "TARGETS", "TRITON_KERNELS", "c_available", "c_function", "choose",
@@ -23,44 +23,44 @@ __all__ = [
 ]
 
 TRITON_KERNELS: dict[str, str] = {
-    "add_rms_norm": "norms_triton.add_rms_norm",
-    "attn_res": "attn_res_triton.attn_res",
-    "expert_glu": "moe_triton.expert_glu",
-    "expert_matmul": "moe_triton.expert_matmul",
-    "kda_chunk": "kda_triton.kda_chunk",
-    "kda_chunk_bwd": "kda_triton.kda_chunk_bwd_op",
-    "kda_decode_step": "kda_decode_triton.kda_decode_step",
-    "kda_gate": "kda_gate_triton.kda_gate",
-    "l2_norm": "norms_triton.l2_norm",
-    "linear_route": "route_triton.linear_route",
-    "mla_decode_absorbed": "mla_decode_triton.mla_decode_absorbed",
-    "moe_route": "route_triton.route",
-    "mx_dequantize": "mx_triton.mx_dequantize",
-    "mx_expert_glu": "moe_triton.mx_expert_glu",
-    "mx_expert_matmul": "moe_triton.mx_expert_matmul",
-    "mx_fake_quantize": "mx_triton.mx_fake_quantize",
-    "mx_linear": "mx_triton.mx_linear",
-    "mx_quantize": "mx_triton.mx_quantize",
-    "rms_norm": "norms_triton.rms_norm",
-    "rms_norm_gate": "norms_triton.rms_norm_gate",
-    "short_conv": "short_conv_triton.short_conv",
-    "situ_glu": "activations_triton.situ_glu",
-    "swiglu": "activations_triton.swiglu",
+    "add_rms_norm": "norms.triton.add_rms_norm",
+    "attn_res": "attn_res.triton.attn_res",
+    "expert_glu": "experts.triton.expert_glu",
+    "expert_matmul": "experts.triton.expert_matmul",
+    "kda_chunk": "kda.triton.kda_chunk",
+    "kda_chunk_bwd": "kda.triton.kda_chunk_bwd_op",
+    "kda_decode_step": "kda.decode_triton.kda_decode_step",
+    "kda_gate": "kda.gate_triton.kda_gate",
+    "l2_norm": "norms.triton.l2_norm",
+    "linear_route": "moe.triton.linear_route",
+    "mla_decode_absorbed": "mla.triton.mla_decode_absorbed",
+    "moe_route": "moe.triton.route",
+    "mx_dequantize": "mx.triton.mx_dequantize",
+    "mx_expert_glu": "experts.triton.mx_expert_glu",
+    "mx_expert_matmul": "experts.triton.mx_expert_matmul",
+    "mx_fake_quantize": "mx.triton.mx_fake_quantize",
+    "mx_linear": "mx.triton.mx_linear",
+    "mx_quantize": "mx.triton.mx_quantize",
+    "rms_norm": "norms.triton.rms_norm",
+    "rms_norm_gate": "norms.triton.rms_norm_gate",
+    "short_conv": "short_conv.triton.short_conv",
+    "situ_glu": "activations.triton.situ_glu",
+    "swiglu": "activations.triton.swiglu",
 }
 
 
 C_KERNELS: dict[str, str] = {
-    "attn_res_normed": "attn_res_normed_c.attn_res_normed",
-    "expert_rows_ffn": "expert_rows_ffn_c.expert_rows_ffn",
-    "glu_train": "glu_c.glu_train",
-    "kda_gate": "kda_gate_c.kda_gate",
-    "l2_norm": "norms_c.l2_norm",
-    "moe_combine": "moe_c.moe_combine",
-    "mx_fake_quantize": "mx_c.mx_fake_quantize",
-    "rms_inv": "attn_res_normed_c.rms_inv",
-    "rms_norm": "norms_c.rms_norm",
-    "rms_norm_gate": "norms_c.rms_norm_gate",
-    "short_conv": "short_conv_c.short_conv",
+    "attn_res_normed": "attn_res_normed.c.attn_res_normed",
+    "expert_rows_ffn": "experts.c.expert_rows_ffn",
+    "glu_train": "glu_train.c.glu_train",
+    "kda_gate": "kda.c.kda_gate",
+    "l2_norm": "norms.c.l2_norm",
+    "moe_combine": "moe.c.moe_combine",
+    "mx_fake_quantize": "mx.c.mx_fake_quantize",
+    "rms_inv": "attn_res_normed.c.rms_inv",
+    "rms_norm": "norms.c.rms_norm",
+    "rms_norm_gate": "norms.c.rms_norm_gate",
+    "short_conv": "short_conv.c.short_conv",
 }
 
 CPU_KERNEL_CHOICES = ("auto", "c", "torch")  # build option: C kernels where they build / insist / references only
@@ -68,7 +68,7 @@ CPU_KERNEL_CHOICES = ("auto", "c", "torch")  # build option: C kernels where the
 
 def c_available() -> tuple[bool, str]:
     """(whether the C kernels build and load on this machine, why not)."""
-    from k3compile.kernels import native
+    from k3compile.kernels._common import native
 
     return native.available()
 

@@ -22,9 +22,9 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-import k3compile.ops.experts  # noqa: F401  (registers k3::expert_glu and friends)
-import k3compile.ops.fused  # noqa: F401  (registers k3::linear_glu)
-import k3compile.ops.glu_train  # noqa: F401  (registers k3::glu_train)
+import k3compile.kernels.experts.op  # noqa: F401  (registers k3::expert_glu and friends)
+import k3compile.kernels.fused.op  # noqa: F401  (registers k3::linear_glu)
+import k3compile.kernels.glu_train.op  # noqa: F401  (registers k3::glu_train)
 from k3compile.ir.pass_manager import GraphPass, PassContext
 
 K3 = torch.ops.k3

@@ -22,8 +22,8 @@ import operator
 import torch
 from torch import fx
 
-import k3compile.ops.experts  # noqa: F401  (registers k3::expert_rows_matmul, k3::expert_rows_ffn)
-import k3compile.ops.moe  # noqa: F401  (registers k3::moe_dispatch_rows)
+import k3compile.kernels.experts.op  # noqa: F401  (registers k3::expert_rows_matmul, k3::expert_rows_ffn)
+import k3compile.kernels.moe.op  # noqa: F401  (registers k3::moe_dispatch_rows)
 from k3compile.ir.pass_manager import GraphPass, PassContext
 from k3compile.passes.shard_experts import expert_region
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-import k3compile.ops.activations  # noqa: F401  (registers k3::situ_glu and k3::swiglu)
-import k3compile.ops.fused  # noqa: F401  (registers k3::linear_glu)
+import k3compile.kernels.activations.op  # noqa: F401  (registers k3::situ_glu and k3::swiglu)
+import k3compile.kernels.fused.op  # noqa: F401  (registers k3::linear_glu)
 from k3compile.ir.pass_manager import GraphPass, PassContext
 from k3compile.spec.weights import keeps_fp32
 

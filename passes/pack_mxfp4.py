@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import fx
 
-import k3compile.ops.mx  # noqa: F401  (registers the k3 MX ops)
+import k3compile.kernels.mx.op  # noqa: F401  (registers the k3 MX ops)
 from k3compile.analysis.formats import ELEMENT_OF_POLICY, storage_bytes
 from k3compile.ir.pass_manager import GraphPass, PassContext
 from k3compile.spec.weights import activation_format, weight_inventory

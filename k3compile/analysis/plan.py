@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass
 
 from k3compile.analysis.units import Unit, carried_sources, tp_widths, units
-from k3compile.ops.moe import expert_capacity
+from k3compile.kernels.moe.op import expert_capacity
 from k3compile.spec.schema import MAX_BATCH, MAX_WORLD, Spec
 
 GPU_MEMORY = {  # bytes of HBM per GPU (NVIDIA datasheets: A100 80GB, H100 SXM, H200, HGX B200)

@@ -127,7 +127,7 @@ def _targets(model, pairs: list[Pair]) -> dict[str, tuple[int, ...]]:
 
 def convert(reader: ShardReader, pairs: list[Pair], spec: Spec, model, writer: ShardWriter) -> int:
     """Stream every pair into `writer` (MX-packing what the model packs); returns the tensors written."""
-    from k3compile.ops.mx import mx_quantize
+    from k3compile.kernels.mx.op import mx_quantize
 
     state = model.state_dict()  # meta: names and dtypes only
     uses = Counter(reader.shard[h] for p in pairs for h in p.hf)

@@ -11,7 +11,7 @@ import torch
 from torch.utils import _pytree as pytree
 from torch import fx
 
-from k3compile.ops.registry import BACKEND_FREE, FAKES
+from k3compile.kernels._common.registry import BACKEND_FREE, FAKES
 
 
 class MetaShapeProp(fx.Interpreter):

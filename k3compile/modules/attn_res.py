@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from k3compile.analysis.sources import SUBLAYERS_PER_LAYER, Source, check_mode, source_plan
 from k3compile.modules.norms import RMSNorm
-from k3compile.ops.attn_res import attn_res
+from k3compile.kernels.attn_res.op import attn_res
 
 __all__ = ["AttnRes", "AttnResSources", "Source", "source_plan"]
 

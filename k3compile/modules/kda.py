@@ -9,10 +9,10 @@ import torch
 from torch import Tensor, nn
 
 from k3compile.modules.norms import RMSNorm
-from k3compile.ops.gla import gla, gla_decode_step
-from k3compile.ops.kda import kda, kda_decode_step, kda_gate
-from k3compile.ops.norms import l2_norm, rms_norm_gate
-from k3compile.ops.short_conv import short_conv
+from k3compile.kernels.gla.op import gla, gla_decode_step
+from k3compile.kernels.kda.op import kda, kda_decode_step, kda_gate
+from k3compile.kernels.norms.op import l2_norm, rms_norm_gate
+from k3compile.kernels.short_conv.op import short_conv
 
 MIXER_MODES = ("chunk", "recurrent", "decode")
 

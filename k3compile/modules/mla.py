@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from k3compile.modules.norms import RMSNorm
-from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
+from k3compile.kernels.mla.op import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
 
 
 class MLAMixer(nn.Module):

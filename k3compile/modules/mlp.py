@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from k3compile.ops.activations import gelu, situ_glu, swiglu
+from k3compile.kernels.activations.op import gelu, situ_glu, swiglu
 
 ACTIVATIONS = ("situ_glu", "swiglu", "gelu")
 

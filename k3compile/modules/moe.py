@@ -27,7 +27,7 @@ from torch import Tensor, nn
 
 from k3compile.modules.mlp import MLP, check_activation
 from k3compile.modules.norms import RMSNorm
-from k3compile.ops.balancing import (
+from k3compile.kernels.balancing.op import (
     attach_aux_loss,
     aux_balance_loss,
     qb_histogram,
@@ -35,7 +35,7 @@ from k3compile.ops.balancing import (
     quantile_balance_update,
     sign_balance_update,
 )
-from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, route
+from k3compile.kernels.moe.op import expert_mlp, moe_combine, moe_dispatch, route
 
 BALANCING = ("quantile", "bias_sign", "aux_loss", "none")
 

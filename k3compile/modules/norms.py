@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from k3compile.ops.norms import rms_norm
+from k3compile.kernels.norms.op import rms_norm
 
 
 class RMSNorm(nn.Module):

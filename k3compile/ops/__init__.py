@@ -4,10 +4,10 @@ Importing this package registers every `torch.ops.k3.*` operator (emitted code
 relies on that). Each op has a PyTorch reference in `k3compile.kernels`.
 """
 
-from k3compile.ops.activations import gelu, situ_glu, swiglu
-from k3compile.ops.attn_res import attn_res
-from k3compile.ops.attn_res_normed import attn_res_normed, rms_inv
-from k3compile.ops.balancing import (
+from k3compile.kernels.activations.op import gelu, situ_glu, swiglu
+from k3compile.kernels.attn_res.op import attn_res
+from k3compile.kernels.attn_res_normed.op import attn_res_normed, rms_inv
+from k3compile.kernels.balancing.op import (
     attach_aux_loss,
     aux_balance_loss,
     qb_histogram,
@@ -16,7 +16,7 @@ from k3compile.ops.balancing import (
     quantile_balance_update_hist,
     sign_balance_update,
 )
-from k3compile.ops.experts import (
+from k3compile.kernels.experts.op import (
     expert_glu,
     expert_matmul,
     expert_rows_ffn,
@@ -24,15 +24,15 @@ from k3compile.ops.experts import (
     mx_expert_glu,
     mx_expert_matmul,
 )
-from k3compile.ops.fused import linear_glu
-from k3compile.ops.gla import gla, gla_decode_step
-from k3compile.ops.glu_train import glu_train
-from k3compile.ops.kda import kda, kda_decode_step, kda_gate
-from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
-from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, moe_dispatch_rows, route
-from k3compile.ops.mx import mx_dequantize, mx_fake_quantize, mx_linear, mx_quantize
-from k3compile.ops.norms import add_rms_norm, l2_norm, rms_norm, rms_norm_gate
-from k3compile.ops.short_conv import short_conv
+from k3compile.kernels.fused.op import linear_glu
+from k3compile.kernels.gla.op import gla, gla_decode_step
+from k3compile.kernels.glu_train.op import glu_train
+from k3compile.kernels.kda.op import kda, kda_decode_step, kda_gate
+from k3compile.kernels.mla.op import mla_attention, mla_decode_absorbed, mla_rope, mla_rope_at
+from k3compile.kernels.moe.op import expert_mlp, moe_combine, moe_dispatch, moe_dispatch_rows, route
+from k3compile.kernels.mx.op import mx_dequantize, mx_fake_quantize, mx_linear, mx_quantize
+from k3compile.kernels.norms.op import add_rms_norm, l2_norm, rms_norm, rms_norm_gate
+from k3compile.kernels.short_conv.op import short_conv
 
 __all__ = [
     "add_rms_norm",

@@ -19,10 +19,10 @@ import torch
 from torch import Tensor
 
 import k3compile.ops  # noqa: F401  (registers the ops whose references run here)
-from k3compile.kernels import binding
-from k3compile.kernels import kda as kda_ref
-from k3compile.kernels.mx import mx_fake_quantize_fast
-from k3compile.ops.registry import REGISTERED, resolve, zero_cotangent
+import k3compile.kernels.binding as binding
+from k3compile.kernels.kda import reference as kda_ref
+from k3compile.kernels.mx.reference import mx_fake_quantize_fast
+from k3compile.kernels._common.registry import REGISTERED, resolve, zero_cotangent
 
 K3 = torch.ops.k3
 
@@ -74,7 +74,7 @@ class _Op(torch.autograd.Function):
 
 
 class _KdaChunk(torch.autograd.Function):
-    """k3::kda_chunk's reference forward and hand-written backward (kernels.kda), as k3compile.ops.kda wires them."""
+    """k3::kda_chunk's reference forward and hand-written backward (kernels.kda), as k3compile.kernels.kda.op wires them."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, beta, scale, initial_state, chunk_size):
@@ -157,7 +157,7 @@ def __getattr__(name: str):
 
 def _c_kernel(name: str):
     """direct.c.<name>: the C kernel's Function, made at its first eager call (which builds the C library, or finds
-    that it cannot be built: then the reference, k3compile.ops.registry warning once); under torch.compile the op
+    that it cannot be built: then the reference, k3compile.kernels._common.registry warning once); under torch.compile the op
     on backend "c", as every direct call."""
     made = None
 

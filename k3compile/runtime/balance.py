@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from k3compile.ops.balancing import qb_update_from_histogram, sign_balance_update
+from k3compile.kernels.balancing.op import qb_update_from_histogram, sign_balance_update
 from k3compile.runtime.readings import read
 from k3compile.spec.schema import Router as RouterConfig
 

@@ -12,7 +12,7 @@ import os
 
 import torch
 
-from k3compile.kernels.launch import interpreting
+from k3compile.kernels._common.launch import interpreting
 
 
 class DeviceError(ValueError):

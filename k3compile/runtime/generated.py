@@ -169,7 +169,7 @@ class GeneratedModule(nn.Module):
                 b.zero_()
         buffers = dict(self.named_buffers())
         for weight, pack in self.PACKED.items():
-            from k3compile.ops.mx import mx_quantize
+            from k3compile.kernels.mx.op import mx_quantize
 
             value = initial_value(weight, tuple(pack["shape"]), self.spec, buffers[pack["data"]].device)
             data, scale = mx_quantize(value, pack["fmt"], pack["block"])
@@ -331,7 +331,7 @@ class InferenceModule(GeneratedModule):
     @torch.no_grad()
     def dense_state_dict(self) -> dict[str, Tensor]:
         """The training Model's state_dict this model serves: packed weights dequantised (fp32), the rest as is."""
-        from k3compile.ops.mx import mx_dequantize
+        from k3compile.kernels.mx.op import mx_dequantize
 
         state = self.state_dict()
         packed = {p[k] for p in self.PACKED.values() for k in ("data", "scale")}
@@ -356,7 +356,7 @@ class InferenceModule(GeneratedModule):
     def packed_training_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
         """This model's state_dict from a whole training one: each PACKED weight MX-quantised into its data and
         scale buffers, the rest by name; an expert-parallel rank keeps its experts' rows."""
-        from k3compile.ops.mx import mx_quantize
+        from k3compile.kernels.mx.op import mx_quantize
 
         targets = self.state_dict()
         packed = {b for p in self.PACKED.values() for b in (p["data"], p["scale"])}

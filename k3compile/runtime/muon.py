@@ -26,7 +26,7 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as _functional_adam
 
-from k3compile.kernels.threads import side_by_side
+from k3compile.kernels._common.threads import side_by_side
 
 __all__ = [
     "ADAMW_NAME_PATTERNS",
@@ -151,7 +151,7 @@ def _newton_schulz_each(
 ) -> None:
     """`newton_schulz` of each fp32 matrix of `mats` [M, A, B] into out[i] (out may be mats), through four small
     reused buffers: no temporary the size of the batch. With several torch threads the matrices go side by side,
-    each single-threaded (k3compile.kernels.threads)."""
+    each single-threaded (k3compile.kernels._common.threads)."""
     norms = torch.linalg.vector_norm(mats, dim=(-2, -1)).clamp_(min=eps)
     side_by_side(lambda share: _newton_schulz_range(mats, out, norms, coefficients, steps, tall, share),
                  range(mats.shape[0]))

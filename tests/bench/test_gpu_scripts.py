@@ -45,19 +45,19 @@ def test_gpu_bench_times_torch_compile_of_the_reference():
 
 
 def test_tuner_dry_run_writes_a_config_file_the_kernels_read(tmp_path):
-    (tmp_path / "cpu.json").write_text(json.dumps({"norms_triton": {"rms_norm": [
+    (tmp_path / "cpu.json").write_text(json.dumps({"norms.triton": {"rms_norm": [
         {"dtype": "fp32", "config": {"BLOCK_M": 2}}, {"dtype": "bf16", "max": {"N": 1}, "config": {"BLOCK_M": 1}}]}}))
     done = run("tune_gpu.py", "--dry-run", "--only", "rms_norm 8x100", "--out", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.startswith("plan: ")
     table = json.loads((tmp_path / "cpu.json").read_text())
-    assert set(table) == {"norms_triton"} and set(table["norms_triton"]) == {"rms_norm", "add_rms_norm"}
-    for kernel, buckets in table["norms_triton"].items():
+    assert set(table) == {"norms.triton"} and set(table["norms.triton"]) == {"rms_norm", "add_rms_norm"}
+    for kernel, buckets in table["norms.triton"].items():
         # one tuned size per dtype: a single open-ended bf16 bucket; rms_norm's fp32 bucket is merged, kept
         assert [b for b in buckets if b.get("dtype") == "bf16"] == [
             {"dtype": "bf16", "config": buckets[-1]["config"]}], (kernel, buckets)
         assert buckets[-1]["config"] and "max" not in buckets[-1] and "min" not in buckets[-1]
-    assert table["norms_triton"]["rms_norm"][0] == {"dtype": "fp32", "config": {"BLOCK_M": 2}}
+    assert table["norms.triton"]["rms_norm"][0] == {"dtype": "fp32", "config": {"BLOCK_M": 2}}
 
 
 def test_gpu_e2e_without_a_gpu_says_so_and_exits_0():
@@ -100,7 +100,7 @@ def test_tuner_buckets_are_open_ended_and_merge_by_dtype():
     assert got == [{"dtype": "bf16", "min": {"S": 32768}, "config": {"c": 3}},
                    {"dtype": "bf16", "min": {"S": 16384}, "config": {"c": 2}},
                    {"dtype": "bf16", "config": {"c": 1}}]
-    from k3compile.kernels.launch import pick
+    from k3compile.kernels._common.launch import pick
 
     assert pick(got, {"B": 1, "S": 10**6}, "bf16") == {"c": 3}  # larger than every tuned size
     assert pick(got, {"B": 32, "S": 20000}, "bf16") == {"c": 2} and pick(got, {"S": 5}, "bf16") == {"c": 1}

@@ -37,7 +37,7 @@ def _step_differences(packages: dict, reference: str, other: str, batch: int, se
     against `reference`'s after one forward+backward on the same tokens (and the same seeded weights)."""
     import torch
 
-    from k3compile.kernels.compare import rel_rms
+    from k3compile.kernels._common.compare import rel_rms
 
     tokens = torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(0))
     results = {}

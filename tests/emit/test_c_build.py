@@ -1,4 +1,4 @@
-"""A CPU build binds the C kernels (kernels/csrc), and they compute what the same build over the PyTorch references
+"""A CPU build binds the C kernels (kernels/*/*.c), and they compute what the same build over the PyTorch references
 does: one training step's loss and gradients, inference logits, and prefill-then-decode.
 
 As with the Triton build (tests/emit/test_triton_build.py), QAT's MXFP8 activation rounding is a step function: the
@@ -14,7 +14,7 @@ import torch
 
 from k3compile.build import BuildOptions
 from k3compile.kernels.binding import C_KERNELS
-from k3compile.kernels.compare import rel_rms
+from k3compile.kernels._common.compare import rel_rms
 
 SEQ = 21  # ragged against KDA's chunk and the MX blocks
 

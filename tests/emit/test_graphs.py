@@ -37,8 +37,8 @@ def test_manifest_lists_the_three_graphs_with_their_passes_and_bindings(tmp_path
 def test_h200_decode_graph_binds_the_kda_and_mla_decode_kernels(h200_infer):
     _, manifest = h200_infer
     bound = {r["op"]: r["impl"] for r in manifest["binding_table"]["decode"]}
-    assert bound["k3::kda_decode_step"] == "triton:kda_decode_triton.kda_decode_step"
-    assert bound["k3::mla_decode_absorbed"] == "triton:mla_decode_triton.mla_decode_absorbed"
+    assert bound["k3::kda_decode_step"] == "triton:kda.decode_triton.kda_decode_step"
+    assert bound["k3::mla_decode_absorbed"] == "triton:mla.triton.mla_decode_absorbed"
     assert not {"k3::kda_chunk", "k3::mla_attention", "k3::moe_dispatch"} & set(bound)
     prefill = {r["op"] for r in manifest["binding_table"]["prefill"]}
     assert {"k3::kda_chunk", "k3::mla_attention", "k3::moe_dispatch"} <= prefill

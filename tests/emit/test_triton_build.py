@@ -22,7 +22,7 @@ import torch
 
 from k3compile.build import BuildOptions
 from k3compile.kernels.binding import TRITON_KERNELS
-from k3compile.kernels.compare import rel_rms
+from k3compile.kernels._common.compare import rel_rms
 
 SEQ = 21  # ragged against KDA's chunk of 64 and every block size
 

@@ -121,7 +121,7 @@ def test_bf16_checkpoint_to_packed_inference_weights(make_hf_model, tmp_path, k3
     assert kept and all(weights.dtype[n] == "F32" for n in kept)
     assert {weights.dtype[n] for n in weights.names if n not in kept and "_mx" not in n and "_scale" not in n} == {"BF16"}
     model = load_inference_model(out / "build" / "tiny_kimi", out)  # strict load of the packed state
-    from k3compile.ops.mx import mx_quantize
+    from k3compile.kernels.mx.op import mx_quantize
 
     up = hf.state_dict()["model.layers.1.mlp.experts.gate_up_proj"][:, 32:]  # transformers' [E, gate | up, D]
     data, scale = mx_quantize(up.float(), "e2m1", 32)

@@ -16,7 +16,7 @@ from k3compile.analysis.stats import spec_stats
 from k3compile.ir.lower import EXAMPLE_BATCH, EXAMPLE_CACHE_LEN, EXAMPLE_TOKENS, build_model, lower
 from k3compile.ir.pass_manager import PassContext, PassManager
 from k3compile.ir.verify import verify_graph
-from k3compile.kernels.kda import kda_gate_ref
+from k3compile.kernels.kda.reference import kda_gate_ref
 from k3compile.modules.init import DT_MAX, DT_MIN, initial_value
 from k3compile.modules.kda import KDAMixer
 from k3compile.modules.mla import MLAMixer

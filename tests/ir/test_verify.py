@@ -123,7 +123,7 @@ def test_format_graph_shows_ops_shapes_and_kernels():
 
 
 def test_format_graph_names_custom_ops_by_schema():
-    from k3compile.ops.norms import rms_norm  # noqa: F401  registers k3::rms_norm
+    from k3compile.kernels.norms.op import rms_norm  # noqa: F401  registers k3::rms_norm
 
     graph = fx.Graph()
     x = graph.placeholder("x")

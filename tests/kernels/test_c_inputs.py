@@ -12,14 +12,21 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.utils._pytree import tree_leaves, tree_map
 
-from k3compile.kernels import attn_res_normed as attn_ref
-from k3compile.kernels import attn_res_normed_c, glu_c, kda_gate_c, moe_c, mx_c, native, norms_c, short_conv_c
-from k3compile.kernels import norms as norms_ref
-from k3compile.kernels import short_conv as conv_ref
-from k3compile.kernels.glu_train import glu_train_ref
-from k3compile.kernels.kda import kda_gate_ref
-from k3compile.kernels.moe import combine_ref
-from k3compile.kernels.mx import mx_fake_quantize_fast
+from k3compile.kernels.attn_res_normed import reference as attn_ref
+from k3compile.kernels.attn_res_normed import c as attn_res_normed_c
+from k3compile.kernels.glu_train import c as glu_c
+from k3compile.kernels.kda import c as kda_gate_c
+from k3compile.kernels.moe import c as moe_c
+from k3compile.kernels.mx import c as mx_c
+from k3compile.kernels._common import native
+from k3compile.kernels.norms import c as norms_c
+from k3compile.kernels.short_conv import c as short_conv_c
+from k3compile.kernels.norms import reference as norms_ref
+from k3compile.kernels.short_conv import reference as conv_ref
+from k3compile.kernels.glu_train.reference import glu_train_ref
+from k3compile.kernels.kda.reference import kda_gate_ref
+from k3compile.kernels.moe.reference import combine_ref
+from k3compile.kernels.mx.reference import mx_fake_quantize_fast
 
 pytestmark = pytest.mark.skipif(not native.available()[0], reason="needs the C kernels built")
 

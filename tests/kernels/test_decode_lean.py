@@ -14,9 +14,9 @@ from torch.profiler import ProfilerActivity, profile
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import k3compile.ops  # noqa: F401  (registers torch.ops.k3)
-from k3compile.kernels.consts import const
-from k3compile.kernels.mx import mx_quantize_fast
-from k3compile.kernels.short_conv import short_conv_naive, short_conv_ref
+from k3compile.kernels._common.consts import const
+from k3compile.kernels.mx.reference import mx_quantize_fast
+from k3compile.kernels.short_conv.reference import short_conv_naive, short_conv_ref
 
 
 def test_const_is_cached_and_plain_under_torch_func():

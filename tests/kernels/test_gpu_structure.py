@@ -1,4 +1,4 @@
-"""What the GPU would run, checked on CPU: kernels/sm_check.py compiles Triton kernels for sm_80 / sm_90a / sm_100a.
+"""What the GPU would run, checked on CPU: kernels/_common/sm_check.py compiles Triton kernels for sm_80 / sm_90a / sm_100a.
 
 The expert-GEMM, MX-GEMM and MLA-decode kernels at bench/gpu.py's K3 shapes, with each target's launch
 configuration, must fit its shared memory and, on Hopper, run their products on wgmma with at most 256 bytes of
@@ -28,7 +28,7 @@ def _child(args: list[str], timeout: int) -> subprocess.CompletedProcess:
 
 _PROBE = """
 import json, triton, triton.language as tl
-from k3compile.kernels import sm_check
+from k3compile.kernels._common import sm_check
 
 @triton.jit
 def mm(a, b, c, BLOCK: tl.constexpr):

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from k3compile.kernels.kda import kda_gate_ref
+from k3compile.kernels.kda.reference import kda_gate_ref
 from k3compile.modules.init import initial_value
 from k3compile.modules.kda import KDAMixer
 from k3compile.modules.model import K3Model

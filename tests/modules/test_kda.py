@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from k3compile.modules.kda import KDAMixer, KDAState
-from k3compile.kernels.compare import rel_rms as _rel
+from k3compile.kernels._common.compare import rel_rms as _rel
 
 D, H, K, W = 32, 2, 8, 4
 P = H * K

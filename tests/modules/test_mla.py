@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from k3compile.kernels.mla import rope_ref
+from k3compile.kernels.mla.reference import rope_ref
 from k3compile.modules.mla import MLAMixer
-from k3compile.kernels.compare import rel_rms as _rel
+from k3compile.kernels._common.compare import rel_rms as _rel
 
 # Tiny dims: D 16, H 2, q_lora 6, kv_lora 8, nope 4, rope 4, v 6.
 DIMS = dict(hidden_size=16, num_heads=2, kv_lora_rank=8, qk_nope_head_dim=4, qk_rope_head_dim=4, v_head_dim=6)

@@ -5,7 +5,7 @@ import torch
 import torch.fx
 
 from k3compile.modules.moe import LatentMoE
-from k3compile.ops.balancing import aux_balance_loss, qb_histogram, qb_update_from_histogram, quantile_balance_update
+from k3compile.kernels.balancing.op import aux_balance_loss, qb_histogram, qb_update_from_histogram, quantile_balance_update
 
 D, N, K, I, S, IS, WL = 16, 6, 2, 12, 2, 5, 8
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from k3compile.kernels.attn_res import attn_res_bwd_ref, attn_res_ref
-from k3compile.kernels.compare import autograd_grads, rel_rms
-from k3compile.ops.attn_res import attn_res
+from k3compile.kernels.attn_res.reference import attn_res_bwd_ref, attn_res_ref
+from k3compile.kernels._common.compare import autograd_grads, rel_rms
+from k3compile.kernels.attn_res.op import attn_res
 
 
 def _naive(v_SBTD, w, g, eps):

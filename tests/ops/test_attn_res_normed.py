@@ -4,15 +4,15 @@ norm computed once; hand-written backwards against autograd of the references, g
 import pytest
 import torch
 
-from k3compile.kernels.attn_res import attn_res_ref
-from k3compile.kernels.attn_res_normed import (
+from k3compile.kernels.attn_res.reference import attn_res_ref
+from k3compile.kernels.attn_res_normed.reference import (
     attn_res_normed_bwd_ref,
     attn_res_normed_ref,
     rms_inv_bwd_ref,
     rms_inv_ref,
 )
-from k3compile.kernels.compare import autograd_grads, rel_rms
-from k3compile.ops.attn_res_normed import attn_res_normed, rms_inv
+from k3compile.kernels._common.compare import autograd_grads, rel_rms
+from k3compile.kernels.attn_res_normed.op import attn_res_normed, rms_inv
 
 
 def _normed(v_SBTD, query, norm_weight, eps=1e-5):

@@ -7,7 +7,7 @@ import torch
 
 import k3compile.ops as ops
 from k3compile.kernels import binding
-from k3compile.ops.registry import BACKENDS, resolve
+from k3compile.kernels._common.registry import BACKENDS, resolve
 
 
 def calls(monkeypatch, op: str) -> list[str]:

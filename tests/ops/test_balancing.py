@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.fx
 
-from k3compile.ops.balancing import (
+from k3compile.kernels.balancing.op import (
     attach_aux_loss,
     aux_balance_loss,
     qb_histogram,

@@ -2,9 +2,9 @@
 
 import torch
 
-from k3compile.kernels import gla as ref
+from k3compile.kernels.gla import reference as ref
 from k3compile.kernels.binding import choose
-from k3compile.ops.gla import gla, gla_decode_step
+from k3compile.kernels.gla.op import gla, gla_decode_step
 
 
 def _inputs(T=9, seed=0):

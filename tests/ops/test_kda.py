@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from k3compile.kernels import kda as kda_kernels
-from k3compile.kernels.kda import kda_naive
-from k3compile.kernels.short_conv import short_conv_naive
-from k3compile.ops.kda import kda, kda_decode_step, kda_gate
-from k3compile.ops.short_conv import short_conv
-from k3compile.kernels.compare import rel_rms as _rel_rms
+from k3compile.kernels.kda import reference as kda_kernels
+from k3compile.kernels.kda.reference import kda_naive
+from k3compile.kernels.short_conv.reference import short_conv_naive
+from k3compile.kernels.kda.op import kda, kda_decode_step, kda_gate
+from k3compile.kernels.short_conv.op import short_conv
+from k3compile.kernels._common.compare import rel_rms as _rel_rms
 
 F64 = torch.float64
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "ops_cpu.py"

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from k3compile.ops.mla import mla_attention, mla_decode_absorbed, mla_rope
+from k3compile.kernels.mla.op import mla_attention, mla_decode_absorbed, mla_rope
 
 F64 = torch.float64
 
@@ -134,7 +134,7 @@ def test_symbolic_trace_and_compile():
 
 def test_rope_at_positions_equals_rope_at_each_start():
     """The decode step's rotary embedding (one token per sequence, positions a tensor) is rope at that start."""
-    from k3compile.ops.mla import mla_rope, mla_rope_at
+    from k3compile.kernels.mla.op import mla_rope, mla_rope_at
 
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 1, 4, 16, generator=g)

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.fx
 
-from k3compile.ops.moe import expert_mlp, moe_combine, moe_dispatch, route
+from k3compile.kernels.moe.op import expert_mlp, moe_combine, moe_dispatch, route
 
 T, E, K, W, I = 12, 5, 2, 4, 6
 

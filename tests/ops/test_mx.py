@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from k3compile.kernels import mx as ref
-from k3compile.ops import mx as M
+from k3compile.kernels.mx import reference as ref
+from k3compile.kernels.mx import op as M
 
 FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import Tensor
 
-from k3compile.ops.registry import k3_op
+from k3compile.kernels._common.registry import k3_op
 
 
 def _scale_fake(x, w, eps):
@@ -113,7 +113,7 @@ def test_a_backward_reading_saved_outputs():
 @pytest.mark.parametrize("make", [lambda: torch.empty(3, 4, 5), lambda: torch.empty(5, 4, 3).transpose(0, 2),
                                   lambda: torch.empty(3, 8, 5)[:, ::2]], ids=["contiguous", "transposed", "strided"])
 def test_fake_empty_like_gives_torch_empty_like_metadata(make, dtype):
-    from k3compile.ops.registry import empty_like
+    from k3compile.kernels._common.registry import empty_like
 
     x = make().to("meta")
     got, want = empty_like(x, dtype=dtype), torch.empty_like(x, dtype=dtype)
@@ -121,7 +121,7 @@ def test_fake_empty_like_gives_torch_empty_like_metadata(make, dtype):
 
 
 def test_the_fake_table_holds_each_op_and_its_backward_and_their_backend_dependence():
-    from k3compile.ops.registry import BACKEND_FREE, FAKES
+    from k3compile.kernels._common.registry import BACKEND_FREE, FAKES
 
     assert {torch.ops.k3.test_scale_norm.default, torch.ops.k3.test_scale_norm_bwd.default} <= FAKES.keys()
     x = torch.empty(2, 3, device="meta")

@@ -8,7 +8,7 @@ import operator
 import pytest
 import torch
 
-from k3compile.kernels.compare import rel_rms
+from k3compile.kernels._common.compare import rel_rms
 from torch import fx
 
 from torch.utils import _pytree as pytree

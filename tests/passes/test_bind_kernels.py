@@ -105,7 +105,7 @@ def test_h200_records_the_reason_for_each_fallback(rebound):
 
 
 def test_h200_binding_records_the_tuned_configs(tiny_spec, tiny_build, monkeypatch):
-    tuned = {"norms_triton": {"rms_norm": [{"max": {"N": 256}, "config": {"BLOCK_M": 2, "num_warps": 8}}]}}
+    tuned = {"norms.triton": {"rms_norm": [{"max": {"N": 256}, "config": {"BLOCK_M": 2, "num_warps": 8}}]}}
     monkeypatch.setattr(binding, "module_configs", lambda target: tuned if target == "h200" else {})
     gm = copy.deepcopy(tiny_build["train"].gm)
     stats = bind_kernels.run(gm, PassContext(tiny_spec, "train", "h200"))
@@ -113,10 +113,10 @@ def test_h200_binding_records_the_tuned_configs(tiny_spec, tiny_build, monkeypat
     assert norms and stats["triton"] >= len(norms)
     for n in norms:
         kernel = n.meta["kernel"]
-        assert kernel["impl"] == "triton:norms_triton.rms_norm" and kernel["reason"] == "tuned for h200"
-        assert kernel["config"] == tuned["norms_triton"] and n.kwargs["backend"] == "triton"
+        assert kernel["impl"] == "triton:norms.triton.rms_norm" and kernel["reason"] == "tuned for h200"
+        assert kernel["config"] == tuned["norms.triton"] and n.kwargs["backend"] == "triton"
     cpu = bind_kernels.run(gm, PassContext(tiny_spec, "train", "cpu"))  # cpu: the C kernels, never Triton
-    assert cpu["triton"] == 0 and norms[0].meta["kernel"]["impl"] == "c:norms_c.rms_norm"
+    assert cpu["triton"] == 0 and norms[0].meta["kernel"]["impl"] == "c:norms.c.rms_norm"
     assert norms[0].kwargs["backend"] == "c"
 
 

@@ -153,7 +153,7 @@ def test_converting_the_seeded_training_weights_gives_the_seeded_inference_model
 
 
 def test_converted_checkpoint_dequantises_to_the_mx_rounded_training_weights(small_build, trained_ckpt):
-    from k3compile.ops.mx import mx_fake_quantize
+    from k3compile.kernels.mx.op import mx_fake_quantize
 
     path, train_state = trained_ckpt
     model = load_inference_model(small_build[1], path)

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import k3compile
 from k3compile.analysis.formats import ELEMENT_OF_POLICY
 from k3compile.build import BuildOptions, build
-from k3compile.ops.mx import mx_fake_quantize
+from k3compile.kernels.mx.op import mx_fake_quantize
 from k3compile.modules.model import K3Model
 from k3compile.modules.moe import RoutedExperts
 from k3compile.spec.load import load_spec

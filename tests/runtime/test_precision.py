@@ -50,7 +50,7 @@ def test_the_k3_matmul_ops_take_bf16_under_autocast():
 @pytest.mark.parametrize("fmt", ["e2m1", "e4m3"])
 def test_qat_weights_are_exact_in_bf16(fmt):
     """QAT is unchanged under bf16: the fake-quantised fp32 weights (MXFP4, MXFP8) survive the cast to bf16."""
-    from k3compile.ops.mx import mx_fake_quantize
+    from k3compile.kernels.mx.op import mx_fake_quantize
 
     w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1)) * 0.02
     q = mx_fake_quantize(w, fmt, 32, backend="torch")

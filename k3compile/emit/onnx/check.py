@@ -107,7 +107,7 @@ def run_onnx(path: Path, feeds: dict[str, np.ndarray], reference: bool) -> tuple
 def reference_device(target: str) -> str | None:
     """Where PyTorch can run a build for `target`: its graph calls the Triton kernels of a GPU target, which
     need CUDA, or CPU tensors under TRITON_INTERPRET=1; None when neither is here."""
-    from k3compile.kernels.launch import GPU_TARGETS, interpreting
+    from k3compile.kernels._common.launch import GPU_TARGETS, interpreting
 
     if target not in GPU_TARGETS or interpreting():
         return "cpu"

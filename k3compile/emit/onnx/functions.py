@@ -33,7 +33,7 @@ from onnxscript import BOOL, FLOAT, INT64, graph
 from onnxscript.values import Opset
 
 from k3compile.emit.onnx import FP4_MIN_OPSET, MIN_OPSET, MX_REPRESENTATIONS
-from k3compile.kernels.mx import E2M1_MAGNITUDES, E8M0_BIAS, MX_FORMATS
+from k3compile.kernels.mx.reference import E2M1_MAGNITUDES, E8M0_BIAS, MX_FORMATS
 
 DOMAIN = "k3"
 
@@ -135,8 +135,8 @@ def define(opset: int, mx: str) -> Library:
 
 
 def _norms(op, k3, mx, lib):
-    """rms_norm, l2_norm, rms_norm_gate, add_rms_norm, attn_res, rms_inv and attn_res_normed (kernels/norms.py,
-    kernels/attn_res.py, kernels/attn_res_normed.py)."""
+    """rms_norm, l2_norm, rms_norm_gate, add_rms_norm, attn_res, rms_inv and attn_res_normed (kernels/norms/reference.py,
+    kernels/attn_res/reference.py, kernels/attn_res_normed/reference.py)."""
 
     @onnxscript.script(k3, default_opset=op)
     def rms_norm(x, weight, eps: float) -> FLOAT:
@@ -200,7 +200,7 @@ def _norms(op, k3, mx, lib):
 
 
 def _activations(op, k3, mx, lib):
-    """situ_glu, swiglu and gelu (kernels/activations.py)."""
+    """situ_glu, swiglu and gelu (kernels/activations/reference.py)."""
 
     @onnxscript.script(k3, default_opset=op)
     def situ_glu(gate, up, beta1: float, beta2: float) -> FLOAT:
@@ -290,7 +290,7 @@ def _projections(op, k3, mx, lib):
 
 
 def _mx(op, k3, mx, lib):
-    """MX formats (kernels/mx.py): decoding MXFP4, the MX expert GEMMs and mx_linear on it, fake quantisation."""
+    """MX formats (kernels/mx/reference.py): decoding MXFP4, the MX expert GEMMs and mx_linear on it, fake quantisation."""
     expert_glu_situ_glu, expert_glu_swiglu = lib["expert_glu_situ_glu"], lib["expert_glu_swiglu"]
     expert_matmul = lib["expert_matmul"]
     found = {}
@@ -354,7 +354,7 @@ def _mx(op, k3, mx, lib):
     @onnxscript.script(k3, default_opset=op)
     def mx_fake_quantize(x, block: int, mbits: int, emin: int, emax: int, max_value: float) -> FLOAT:
         """k3::mx_fake_quantize: the values an MX round trip leaves, for the element format given by its
-        mantissa bits, exponent range [emin, emax] and largest value (the OCP rule of kernels/mx.py).
+        mantissa bits, exponent range [emin, emax] and largest value (the OCP rule of kernels/mx/reference.py).
 
         Per block of `block` values along the last dim: shared = clamp(floor(log2 amax) - emax, -127, 127)
         (-127 for an all-zero block); elements x / 2^shared saturated to +-max_value and rounded to nearest,
@@ -412,7 +412,7 @@ def mx_format_attributes(fmt: str) -> dict:
 
 
 def _kda(op, k3, mx, lib):
-    """Kimi Delta Attention (kernels/kda.py): the decay gate, the chunked form and the decode step."""
+    """Kimi Delta Attention (kernels/kda/reference.py): the decay gate, the chunked form and the decode step."""
 
     @onnxscript.script(k3, default_opset=op)
     def kda_gate_lower_bounded_sigmoid(f, A_log, dt_bias, lower_bound: float) -> FLOAT:
@@ -541,7 +541,7 @@ def _kda(op, k3, mx, lib):
 
 
 def _mla(op, k3, mx, lib):
-    """Gated MLA's attention cores (kernels/mla.py): expanded (prefill) and absorbed (decode over the latent cache).
+    """Gated MLA's attention cores (kernels/mla/reference.py): expanded (prefill) and absorbed (decode over the latent cache).
 
     Queries are the last T of the S key positions: query i sits at S - T + i and sees keys 0 .. S - T + i.
     """
@@ -630,7 +630,7 @@ def _mla(op, k3, mx, lib):
 
 
 def _moe(op, k3, mx, lib):
-    """The router and fixed-capacity dispatch / combine (kernels/moe.py, kernels/fused.py)."""
+    """The router and fixed-capacity dispatch / combine (kernels/moe/reference.py, kernels/fused/reference.py)."""
 
     @onnxscript.script(k3, default_opset=op)
     def route_weights(scores, bias, top_k: int, renormalize: int, routed_scale: float) -> tuple[FLOAT, INT64]:

@@ -17,9 +17,17 @@ from onnx import helper
 import k3compile.ops  # noqa: F401
 from k3compile.emit.onnx import functions as F
 from k3compile.emit.onnx import translate
-from k3compile.kernels import activations, attn_res, attn_res_normed, experts, fused, kda, mla, moe, norms
-from k3compile.kernels import mx as kmx
-from k3compile.kernels import short_conv as sc
+from k3compile.kernels.activations import reference as activations
+from k3compile.kernels.attn_res import reference as attn_res
+from k3compile.kernels.attn_res_normed import reference as attn_res_normed
+from k3compile.kernels.experts import reference as experts
+from k3compile.kernels.fused import reference as fused
+from k3compile.kernels.kda import reference as kda
+from k3compile.kernels.mla import reference as mla
+from k3compile.kernels.moe import reference as moe
+from k3compile.kernels.norms import reference as norms
+from k3compile.kernels.mx import reference as kmx
+from k3compile.kernels.short_conv import reference as sc
 
 TOL = 5e-6
 
