@@ -11,12 +11,25 @@ def load(path):
 
 
 def train(spec_or_build, steps, data=None, out=None, resume=False, overrides=(), eval_every=None, progress=True,
-          stop_after=None, init_from=None, extends_anywhere=False):
-    """Train a spec's or a build's Model; returns the metrics records (see k3compile.training.train)."""
+          stop_after=None, init_from=None, extends_anywhere=False, log_every=None, callbacks=(), log=(), tokenizer=None,
+          data_dtype=None):
+    """Train a spec's or a build's Model; returns the metrics records (see k3compile.training.train).
+
+    `callbacks`: functions called with each metrics record as it is logged; `log=("tensorboard",)` writes
+    TensorBoard events under the run folder.
+    """
     from k3compile.training import train as _train
 
     return _train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after, init_from,
-                  extends_anywhere)
+                  extends_anywhere, log_every, callbacks, log, tokenizer, data_dtype)
+
+
+def balance(model):
+    """Load balancing for your own loop: update `model`'s router biases from the training forwards since the last
+    call, by its spec's rule; call after each optimizer step (see k3compile.runtime.balance.balance)."""
+    from k3compile.runtime.balance import balance as _balance
+
+    return _balance(model)
 
 
 def from_hf(hf_dir, out=None, *, name=None, mode="both", overrides=(), max_shard_bytes=None, spec_only=False):

@@ -220,7 +220,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("spec", type=_path, metavar="SPEC_OR_BUILD", help="a spec YAML file or a build folder")
     _add_extends_anywhere(p)
     p.add_argument("--steps", type=_integer, required=True, help="optimizer steps in total (the schedule's length)")
-    p.add_argument("--data", type=_path, help="a text file or a folder of text files (default: the Python stdlib's sources)")
+    p.add_argument("--data", type=_path, help="a text file or a folder of text files (default: the Python stdlib's "
+                   "sources; byte-level), a token-id file (.npy, or .bin with --data-dtype), or text with --tokenizer")
+    p.add_argument("--data-dtype", choices=["uint8", "uint16", "int16", "uint32", "int32", "int64"],
+                   help="the element type of a .bin token-id file")
+    p.add_argument("--tokenizer", type=_path, metavar="JSON_OR_FOLDER",
+                   help="encode the --data text with this tokenizers JSON (or a folder's tokenizer.json, e.g. import-hf's output)")
     p.add_argument("--out", type=_path, help="run folder (default: runs/<spec name>)")
     p.add_argument("--resume", action="store_true", help="continue from the newest checkpoint in the run folder")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="A.B=VALUE",
@@ -234,6 +239,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--log-every", type=_positive, metavar="K",
                    help="log the steps' numbers and update the progress bar every K steps (default: 1 on the CPU, 10 "
                    "on a GPU, where reading a loss makes the host wait for the GPU)")
+    p.add_argument("--log", action="append", default=[], choices=["tensorboard"],
+                   help="also log the metrics to TensorBoard (events under OUT/tensorboard; needs the tensorboard "
+                   "package)")
+    p.add_argument("--no-progress", action="store_true",
+                   help="print the messages as plain lines without the progress bar (for logs and CI)")
     p.add_argument("--nproc", type=_positive, default=1, metavar="N",
                    help="train in N local processes (started with torch.distributed.run, gloo on CPU, NCCL on CUDA): "
                    "world N = dp x ep from the spec's parallel section (dp inferred as N / ep when left at 1); "
@@ -476,7 +486,8 @@ def _cmd_train(args) -> None:
     try:
         train(args.spec, args.steps, data=args.data, out=args.out, resume=args.resume, overrides=args.overrides,
               eval_every=args.eval_every, stop_after=args.stop_after, init_from=args.init_from,
-              extends_anywhere=args.extends_anywhere, log_every=args.log_every)
+              extends_anywhere=args.extends_anywhere, log_every=args.log_every, log=args.log,
+              progress="plain" if args.no_progress else True, tokenizer=args.tokenizer, data_dtype=args.data_dtype)
     except (TrainError, DataError, CheckpointError, PassFailure, NumericsMismatch, BuildDirError) as e:
         raise UsageError(str(e)) from None
 

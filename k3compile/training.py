@@ -7,7 +7,7 @@ compiler (shared/ARCHITECTURE.md): `k3compile.runtime.train.train` trains a buil
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -78,9 +78,11 @@ def build_package(spec: Spec, build_dir: Path, say, mode: str = "both") -> Modul
 
 
 def train(spec_or_build: str | Path, steps: int, data: str | Path | None = None, out: str | Path | None = None,
-          resume: bool = False, overrides: Sequence[str] = (), eval_every: int | None = None, progress: bool = True,
-          stop_after: int | None = None, init_from: str | Path | None = None, extends_anywhere: bool = False,
-          log_every: int | None = None) -> list[dict]:
+          resume: bool = False, overrides: Sequence[str] = (), eval_every: int | None = None,
+          progress: bool | str = True, stop_after: int | None = None, init_from: str | Path | None = None,
+          extends_anywhere: bool = False, log_every: int | None = None, callbacks: Sequence[Callable[[dict], None]] = (),
+          log: Sequence[str] = (), tokenizer: str | Path | None = None, data_dtype: str | None = None) -> list[dict]:
     """`k3compile.runtime.train.train`, a spec built into <out>/build first (`build_package`)."""
     return runtime_train.train(spec_or_build, steps, data, out, resume, overrides, eval_every, progress, stop_after,
-                               init_from, extends_anywhere, log_every, build=build_package)
+                               init_from, extends_anywhere, log_every, callbacks, log, tokenizer, data_dtype,
+                               build=build_package)

@@ -350,6 +350,25 @@ def inline_simple(text: str) -> str:
     return "\n".join(out)
 
 
+_IN_PLACE = re.compile(r"^(\s*)(\w+) = (layer\.[\w.]+\.\w+_\(.*)$")  # `add_ = layer.moe.router.load.add_(x)`
+
+
+def training_only_writes(text: str) -> str:
+    """Guard each in-place write to a layer's buffer (the routers' balancing statistics) with `if layer.training:`,
+    so an eval() forward of the training Model changes no buffer; the written value is never read afterwards."""
+    lines = text.splitlines()
+    words = Counter(w for line in lines for w in _NAME.findall(line.split("  #")[0]))
+    out = []
+    for line in lines:
+        m = _IN_PLACE.match(line)
+        if m and words[m.group(2)] == 1:
+            indent, _, write = m.groups()
+            out += [f"{indent}if layer.training:", f"{indent}    {write}"]
+            continue
+        out.append(line)
+    return "\n".join(out)
+
+
 _SHAPE = re.compile(r"^(\s*)(\w+) = (\w+)\.shape$")
 _SHAPE_ITEM = re.compile(r"^\s*(\w+) = (\w+)\[(\d+)\]$")
 
@@ -422,7 +441,8 @@ def outline_graph(gm: fx.GraphModule, graph: str, spec) -> tuple[list[str], str,
         key = fingerprint(step)
         if key not in bodies:
             code = region_graph(step)[0].python_code(root_module="layer", verbose=True)
-            bodies[key] = unpack_shapes(inline_simple(readable(code.src, keep_deletions=False, names_of=names_of)))
+            body = unpack_shapes(inline_simple(readable(code.src, keep_deletions=False, names_of=names_of)))
+            bodies[key] = training_only_writes(body)
             globals_.update(code.globals)
         body = bodies[key]
         if body not in kinds:

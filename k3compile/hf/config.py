@@ -291,9 +291,12 @@ def _moe_fields(config: dict) -> dict:
     if not isinstance(shared, int) or shared < 1:
         raise HFError(f"config.json: num_shared_experts={shared!r}: transformers' Kimi Linear always runs shared experts")
     width = _value(config, "moe_intermediate_size")
+    experts, top_k = _value(config, "num_local_experts"), _value(config, "num_experts_per_tok")
     return {
-        "num_experts": _value(config, "num_local_experts"),
-        "top_k": _value(config, "num_experts_per_tok"),
+        "num_experts": experts,
+        "top_k": top_k,
+        # transformers' Kimi Linear drops no expert choice: a buffer of n/k * T * k / n = T tokens per expert
+        "capacity_factor": experts / top_k if isinstance(experts, int) and isinstance(top_k, int) and top_k > 0 else None,
         "expert_intermediate_size": width,
         "num_shared_experts": shared,
         "shared_intermediate_size": width,

@@ -151,6 +151,28 @@ def convert(reader: ShardReader, pairs: list[Pair], spec: Spec, model, writer: S
     return written
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "tiktoken.model", "vocab.json", "merges.txt", "chat_template.jinja")  # fmt: skip
+MAX_TOKENIZER_BYTES = 256 << 20  # one tokenizer file is read whole, at most this
+
+
+def copy_tokenizer(hf_dir: Path, dest: Path) -> list[str]:
+    """Copy the tokenizer files `hf_dir` holds (regular files inside its hub root, bounded reads) into `dest`;
+    their names."""
+    copied = []
+    for name in TOKENIZER_FILES:
+        if not (hf_dir / name).exists():
+            continue
+        try:
+            path = safe_io.confined(hf_dir, name, source=str(hf_dir), root=hub_root(hf_dir))
+            data = safe_io.read_bytes(path, MAX_TOKENIZER_BYTES, what="a tokenizer file")
+        except safe_io.FileError as e:
+            raise HFError(str(e)) from None
+        safe_io.write_atomic(dest / name, data)
+        copied.append(name)
+    return copied
+
+
 def import_hf(
     hf_dir: str | Path,
     out: str | Path | None = None,
@@ -211,4 +233,5 @@ def import_hf(
         finally:
             reader.close()
         files = [out / p.name for p in writer.close()]
+        copy_tokenizer(hf_dir, tmp)
     return HFImport(out, spec, out / "build" / dest.name, files, count)

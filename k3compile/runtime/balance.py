@@ -135,3 +135,26 @@ def update_balance(routers: list[RouterBuffers], config: RouterConfig, top_k: in
         r.load.zero_()
         r.dropped.zero_()
     return readings
+
+
+@torch.no_grad()
+def balance(model: nn.Module) -> BalanceReadings | None:
+    """One load-balancing update of `model`'s routers from the training forwards since the last call, by its
+    spec's rule (what `k3compile.train` does after each optimizer step); call it after `optimizer.step()`.
+
+    Under torch.distributed (DDP, FSDP2) every rank must call it: the integer statistics are summed over the
+    default group first, so the biases stay equal on all ranks. None for a model without MoE.
+    """
+    import torch.distributed as dist
+
+    spec = getattr(model, "spec", None)
+    if spec is None or spec.moe is None:
+        return None
+    routers = find_routers(model)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        for r in routers:
+            for t in (r.load, r.dropped, r.qb_counts):
+                if t is not None:
+                    dist.all_reduce(t)
+    return update_balance(routers, spec.moe.router, spec.moe.top_k)
+

@@ -14,6 +14,7 @@ import math
 import os
 import stat
 import sysconfig
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -41,6 +42,7 @@ class Corpus:
     data: bytearray  # writable, so that torch.frombuffer shares it instead of copying
     source: str
     files: int
+    tokens: Tensor | None = None  # token ids (a tokenized file, memory-mapped, or tokenized text); None: the bytes
 
 
 def stdlib_files() -> list[Path]:
@@ -139,18 +141,92 @@ def load_corpus(path: str | Path | None = None, max_bytes: int | None = None) ->
     return Corpus(data, source, used)
 
 
-def split(data: bytes | bytearray, seq_len: int, val_fraction: float = VAL_FRACTION) -> tuple[Tensor, Tensor]:
+TOKEN_DTYPES = ("uint8", "uint16", "int16", "uint32", "int32", "int64")  # a .bin file's element type
+MAX_TOKENIZER_BYTES = 256 << 20
+
+
+def _mapped_ids(path: Path, dtype: str | None) -> "np.ndarray":
+    """A flat token-id array memory-mapped from a `.npy` file or a raw `.bin` file of `dtype` (a regular file)."""
+    import numpy as np
+
+    try:
+        os.close(safe_io.open_regular(path))  # a regular file, not a FIFO or device, before mapping it
+    except safe_io.FileError as e:
+        raise DataError(str(e)) from None
+    try:
+        if path.suffix == ".npy":
+            ids = np.load(path, mmap_mode="r", allow_pickle=False)
+        elif dtype is None:
+            raise DataError(f"{path}: a .bin token file needs its element type (--data-dtype {'/'.join(TOKEN_DTYPES)})")
+        else:
+            ids = np.memmap(path, dtype=np.dtype(dtype), mode="r")
+    except (ValueError, OSError) as e:
+        raise DataError(f"cannot read token ids from {path}: {' '.join(str(e).split())}") from None
+    if ids.ndim != 1 or ids.dtype.name not in TOKEN_DTYPES:
+        raise DataError(f"{path} holds a {ids.dtype.name} array of shape {ids.shape}; token ids are a flat array of "
+                        f"one of {', '.join(TOKEN_DTYPES)}")  # fmt: skip
+    return ids
+
+
+def load_tokens(path: str | Path, vocab_size: int, *, dtype: str | None = None, tokenizer: str | Path | None = None,
+                max_bytes: int | None = None) -> Corpus:  # fmt: skip
+    """Token ids to train on: a tokenized file (`.npy`, or `.bin` of `dtype`), or a text file or folder encoded with
+    a `tokenizers` JSON (`tokenizer`: the file, or a folder holding tokenizer.json). Every id must be < vocab_size."""
+    path = Path(path)
+    if tokenizer is None:
+        ids = _mapped_ids(path, dtype)
+        if ids.size == 0:
+            raise DataError(f"{path} holds no token ids")
+        with warnings.catch_warnings():  # a read-only mapping: the token tensors are only ever read
+            warnings.simplefilter("ignore", UserWarning)
+            tokens, files = torch.from_numpy(ids), 1
+        if ids.dtype.name in ("uint16", "uint32"):  # torch reads these by index only: ids checked through numpy
+            top, low = int(ids.max()), 0
+        else:
+            top, low = int(tokens.max()), int(tokens.min())
+    else:
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:
+            raise DataError("--tokenizer needs the tokenizers package: pip install tokenizers") from None
+        where = Path(tokenizer)
+        where = where / "tokenizer.json" if where.is_dir() else where
+        try:
+            encoder = Tokenizer.from_str(safe_io.read_text(where, MAX_TOKENIZER_BYTES, what="a tokenizer"))
+        except safe_io.FileError as e:
+            raise DataError(str(e)) from None
+        except Exception as e:  # the tokenizers library's parse error
+            raise DataError(f"{where} is not a tokenizers JSON: {' '.join(str(e).split())[:200]}") from None
+        text = load_corpus(path, max_bytes)
+        ids = encoder.encode(text.data.decode("utf-8", "replace"), add_special_tokens=False).ids
+        if not ids:
+            raise DataError(f"{path} encodes to no tokens with {where}")
+        tokens, files = torch.tensor(ids, dtype=torch.int64), text.files
+        top, low = max(ids), min(ids)
+    if low < 0 or top >= vocab_size:
+        bad = low if low < 0 else top
+        raise DataError(f"{path} holds token id {bad}, outside the model's vocabulary [0, {vocab_size})")
+    source = f"{path} ({'tokenized by ' + str(tokenizer) if tokenizer is not None else 'token ids'})"
+    return Corpus(bytearray(), source, files, tokens)
+
+
+def split(data: bytes | bytearray | Tensor, seq_len: int, val_fraction: float = VAL_FRACTION) -> tuple[Tensor, Tensor]:
     """(train, validation) uint8 tensors: the last `val_fraction` of the bytes, at least one window, is held out.
 
     A bytearray (what load_corpus reads) is shared, not copied: the tensors are views of it.
     """
     need = 2 * (seq_len + 1)
+    unit = "tokens" if isinstance(data, Tensor) else "bytes"
     if len(data) < need:
         raise DataError(
-            f"data has {len(data)} bytes; training at seq_len {seq_len} needs at least {need} "
+            f"data has {len(data)} {unit}; training at seq_len {seq_len} needs at least {need} "
             f"(one window for training and one for validation)"
         )
     n_val = max(math.ceil(len(data) * val_fraction), seq_len + 1)
+    if isinstance(data, Tensor):
+        tokens = data
+        train = tokens[: len(data) - n_val]
+        return train, tokens[len(data) - n_val :]
     tokens = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
     train = tokens[: len(data) - n_val]
     if bool((train == train[0]).all()):  # nothing to learn, and a unigram entropy of 0 to compare the loss with
@@ -161,6 +237,8 @@ def split(data: bytes | bytearray, seq_len: int, val_fraction: float = VAL_FRACT
 
 def unigram_entropy(tokens: Tensor) -> float:
     """Entropy of the byte distribution in nats: the loss of the best model that ignores context."""
+    if tokens.dtype in (torch.uint16, torch.uint32):  # torch counts these only widened
+        tokens = tokens.long()
     counts = torch.bincount(tokens.flatten(), minlength=VOCAB).double()  # uint8 counted as is: never widened
     p = counts[counts > 0] / counts.sum()
     return float(-(p * p.log()).sum())

@@ -133,23 +133,6 @@ def _training_shapes(model) -> dict[str, tuple[int, ...]]:
 
 
 @torch.no_grad()
-def pack_training_state(model, state: dict[str, Tensor]) -> dict[str, Tensor]:
-    """An InferenceModel state_dict from a (whole) training one: each packed weight MX-quantised, the rest by
-    name; an expert-parallel rank keeps its experts' rows."""
-    from k3compile.kernels.mx.op import mx_quantize
-
-    targets = model.state_dict()
-    out = {}
-    for weight, pack in model.PACKED.items():
-        data, scale = mx_quantize(state[weight].float(), pack["fmt"], pack["block"])
-        out[pack["data"]] = data.view(targets[pack["data"]].dtype)
-        out[pack["scale"]] = scale.view(targets[pack["scale"]].dtype)
-    for name in targets:
-        if name not in out:
-            out[name] = state[name]
-    return {name: model.local_rows(name, t) for name, t in out.items()}
-
-
 def serving_device(module: ModuleType, build: str | Path | ModuleType | None = None) -> torch.device:
     """The device a build serves on here (cuda:LOCAL_RANK for a GPU target); a one-line GenerateError where this
     machine cannot run its kernels."""
@@ -193,7 +176,7 @@ def load_inference_model(
         own = {k: model.full_shape(k, tuple(v.shape)) for k, v in model.state_dict().items()}
         state = {k: model.local_rows(k, v) for k, v in read_training_state(checkpoint, own, model.spec).items()}
     else:
-        state = pack_training_state(model, read_training_state(checkpoint, _training_shapes(model), model.spec))
+        state = model.packed_training_state(read_training_state(checkpoint, _training_shapes(model), model.spec))
     model = model.to_empty(device=device)
     model.load_state_dict(state, strict=True)
     return model.eval()

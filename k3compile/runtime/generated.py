@@ -340,6 +340,39 @@ class InferenceModule(GeneratedModule):
             out[weight] = mx_dequantize(state[p["data"]], state[p["scale"]], p["fmt"], p["block"], torch.float32)
         return out
 
+    @classmethod
+    def from_training(cls, model: nn.Module, device: torch.device | str | None = None) -> InferenceModule:
+        """This build's InferenceModel (eval mode) serving a trained Model's weights, packed as the build says;
+        `device` defaults to the Model's. The Model must hold all its experts (not an expert-parallel rank)."""
+        served = cls(device=device or next(model.parameters()).device)
+        served.load_training_state_dict(model.state_dict())
+        return served.eval()
+
+    def load_training_state_dict(self, state: dict[str, Tensor]) -> None:
+        """Load a training Model's (whole) state_dict: `load_state_dict` alone would miss every packed buffer."""
+        self.load_state_dict(self.packed_training_state(state), strict=True)
+
+    @torch.no_grad()
+    def packed_training_state(self, state: dict[str, Tensor]) -> dict[str, Tensor]:
+        """This model's state_dict from a whole training one: each PACKED weight MX-quantised into its data and
+        scale buffers, the rest by name; an expert-parallel rank keeps its experts' rows."""
+        from k3compile.kernels.mx.op import mx_quantize
+
+        targets = self.state_dict()
+        packed = {b for p in self.PACKED.values() for b in (p["data"], p["scale"])}
+        missing = sorted(n for n in [*self.PACKED, *(n for n in targets if n not in packed)] if n not in state)
+        if missing:
+            raise KeyError(f"the training state lacks {len(missing)} tensors of this build, e.g. {missing[0]!r}")
+        out = {}
+        for weight, pack in self.PACKED.items():
+            data, scale = mx_quantize(state[weight].float(), pack["fmt"], pack["block"])
+            out[pack["data"]] = data.view(targets[pack["data"]].dtype)
+            out[pack["scale"]] = scale.view(targets[pack["scale"]].dtype)
+        for name in targets:
+            if name not in out:
+                out[name] = state[name]
+        return {name: self.local_rows(name, t) for name, t in out.items()}
+
     def _activation_dtype(self) -> torch.dtype:
         return self.embed.weight.dtype
 

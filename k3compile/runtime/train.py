@@ -38,7 +38,9 @@ from k3compile.runtime import sharded_checkpoint as dcp_ckpt
 from k3compile.runtime.balance import (
     BalanceReadings, BalanceStats, find_routers, restore_stats, snapshot_stats, update_balance,
 )  # fmt: skip
-from k3compile.runtime.data import VOCAB, Batches, Corpus, eval_batches, load_corpus, split, unigram_entropy
+from k3compile.runtime.data import (
+    VOCAB, Batches, Corpus, eval_batches, load_corpus, load_tokens, split, unigram_entropy,
+)  # fmt: skip
 from k3compile.runtime.device import DeviceError, runtime_device, to_device
 from k3compile.runtime.muon import PerHeadMuon, default_use_muon, muon_precision
 from k3compile.runtime.precision import autocast, training_precision
@@ -241,7 +243,11 @@ class Run:
         return self.out / "checkpoints"
 
     def data_fingerprint(self) -> dict:
-        return {"source": self.corpus.source, "bytes": len(self.corpus.data), "crc32": zlib.crc32(self.corpus.data)}
+        c = self.corpus
+        if c.tokens is not None:  # token ids: their bytes as stored
+            raw = c.tokens.numpy().data
+            return {"source": c.source, "bytes": raw.nbytes, "crc32": zlib.crc32(raw)}
+        return {"source": c.source, "bytes": len(c.data), "crc32": zlib.crc32(c.data)}
 
 
 @dataclass
@@ -549,6 +555,37 @@ class _NoMetrics:
         pass
 
 
+# ---------------------------------------------------------------- loggers
+
+
+class TensorBoardLog:
+    """Each record's numbers as TensorBoard scalars (`train/loss`, `train/val_loss`, ...) at its step, written
+    under OUT/tensorboard."""
+
+    def __init__(self, out: Path):
+        self.writer = self.writer_class()(log_dir=str(out / "tensorboard"))
+
+    @staticmethod
+    def writer_class() -> type:
+        """torch's SummaryWriter; a one-line TrainError where the tensorboard package is missing."""
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise TrainError("--log tensorboard needs the tensorboard package: pip install tensorboard") from None
+        return SummaryWriter
+
+    def __call__(self, record: dict) -> None:
+        for key, value in record.items():
+            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool):
+                self.writer.add_scalar(f"train/{key}", value, record["step"])
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+LOGGERS = {"tensorboard": TensorBoardLog}
+
+
 # ---------------------------------------------------------------- console
 
 
@@ -565,10 +602,20 @@ class _Quiet:
         pass
 
 
+class _Plain(_Quiet):
+    """The messages without a progress bar (progress="plain", `--no-progress`): one flushed line each."""
+
+    def print(self, *args, **kwargs) -> None:
+        print(*args, flush=True)
+
+
 @contextlib.contextmanager
-def _display(enabled: bool, total: int, name: str) -> Iterator:
+def _display(enabled: bool | str, total: int, name: str) -> Iterator:
     if not enabled:
         yield _Quiet()
+        return
+    if enabled == "plain":
+        yield _Plain()
         return
     from rich.console import Console
     from rich.progress import (
@@ -667,23 +714,31 @@ def train(
     resume: bool = False,
     overrides: Sequence[str] = (),
     eval_every: int | None = None,
-    progress: bool = True,
+    progress: bool | str = True,
     stop_after: int | None = None,
     init_from: str | Path | None = None,
     extends_anywhere: bool = False,
     log_every: int | None = None,
+    callbacks: Sequence[Callable[[dict], None]] = (),
+    log: Sequence[str] = (),
+    tokenizer: str | Path | None = None,
+    data_dtype: str | None = None,
     build: Callable[[Spec, Path, Callable], ModuleType] | None = None,
 ) -> list[dict]:
     """Train the spec's (or build's) Model for `steps` optimizer steps in total; returns the metrics records.
 
-    `data`: a text file or folder (default: the Python stdlib's sources); `out`: the run folder (default
+    `data`: a text file or folder (default: the Python stdlib's sources; bytes are the tokens), a token-id file
+    (`.npy`, or `.bin` of `data_dtype`, memory-mapped), or with `tokenizer` (a `tokenizers` JSON, or a folder
+    holding tokenizer.json such as import-hf's output) a text file or folder encoded by it; `out`: the run folder (default
     runs/<spec name>) with build/, checkpoints/ and metrics.jsonl; `resume`: continue from the newest
     checkpoint there; `overrides`: `a.b=value` spec overrides (only training.* for a build); `eval_every`:
     validate (and checkpoint) every this many steps; `stop_after`: end this call after that many steps
     (with a checkpoint) so a later `resume=True` call continues the same schedule; `init_from`: start from
     these weights instead of the seeded init (a weights folder such as `k3compile import-hf` output, or a
     checkpoint; resuming still restores the run's own checkpoint); `progress`: show a bar
-    and messages on the console (False: silent); `extends_anywhere`: let the spec's `extends:` leave its
+    and messages on the console ("plain": the messages without the bar, for non-interactive runs; False: silent);
+    `callbacks`: functions called with each metrics record as it is logged (rank 0); `log`: more loggers,
+    "tensorboard" (events under OUT/tensorboard; needs the tensorboard package); `extends_anywhere`: let the spec's `extends:` leave its
     root (k3compile.spec.load.spec_root); `log_every`: read the steps' numbers from the device, log them and
     update the progress bar every this many steps (default: 1 on the CPU, 10 on a GPU). Records hold step, loss,
     lr, tokens_per_s, imbalance, dropped, grad_norm and, when validated, val_loss (nats per byte). A build for a
@@ -697,6 +752,11 @@ def train(
     for name, value in (("eval_every", eval_every), ("stop_after", stop_after), ("log_every", log_every)):
         if value is not None and value < 1:
             raise TrainError(f"{name} must be at least 1, got {value}")
+    unknown = sorted(set(log) - set(LOGGERS))
+    if unknown:
+        raise TrainError(f"unknown logger {unknown[0]!r}; known: {', '.join(LOGGERS)}")
+    if "tensorboard" in log:
+        TensorBoardLog.writer_class()  # before anything is built or written
     spec, package = resolve(spec_or_build, overrides, extends_anywhere)
     if package is None and build is None:
         raise TrainError(f"{spec_or_build} is a spec: train it with k3compile.train (which builds it), or train a build")
@@ -706,23 +766,29 @@ def train(
     except dist_rt.LayoutError as e:
         raise TrainError(str(e)) from None
     try:
-        return _train(spec, package, layout, steps, data, out, resume, eval_every, progress and layout.main,
-                      stop_after, init_from, log_every, build)
+        return _train(spec, package, layout, steps, data, out, resume, eval_every, progress if layout.main else False,
+                      stop_after, init_from, log_every, tuple(callbacks), tuple(log), (tokenizer, data_dtype), build)
     finally:
         dist_rt.stop(layout)
 
 
 def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps: int, data, out, resume: bool,
-           eval_every: int | None, progress: bool, stop_after: int | None, init_from,
-           log_every: int | None = None, build: Callable | None = None) -> list[dict]:  # fmt: skip
+           eval_every: int | None, progress: bool | str, stop_after: int | None, init_from,
+           log_every: int | None = None, callbacks: tuple = (), log: tuple = (),
+           tokens: tuple = (None, None), build: Callable | None = None) -> list[dict]:  # fmt: skip
     """`train` in this process of the dp x ep layout: rank 0 prepares the folder and the build, every rank trains."""
-    if spec.vocab_size < VOCAB:
+    tokenizer, data_dtype = tokens
+    tokenized = tokenizer is not None or (data is not None and Path(data).suffix in (".npy", ".bin"))
+    if not tokenized and spec.vocab_size < VOCAB:
         raise TrainError(
             f"spec {spec.name!r} has vocab_size {spec.vocab_size}; byte-level training needs at least {VOCAB}"
         )
     t = spec.training
-    corpus = load_corpus(data)
-    train_tokens, val_tokens = split(corpus.data, t.seq_len)
+    if tokenized:
+        corpus = load_tokens(data, spec.vocab_size, dtype=data_dtype, tokenizer=tokenizer)
+    else:
+        corpus = load_corpus(data)
+    train_tokens, val_tokens = split(corpus.data if corpus.tokens is None else corpus.tokens, t.seq_len)
     out = Path(out) if out is not None else Path("runs") / spec.name
     created = prepare_out(out, resume) if layout.main else None
     with _display(progress, steps, spec.name) as display:
@@ -735,11 +801,17 @@ def _train(spec: Spec, package: ModuleType | None, layout: dist_rt.Layout, steps
                 package = build(spec, out / "build", lambda *a, **k: None)
             dist_rt.use_experts(layout)  # after the build: its passes run each graph in one process
             run = _setup(spec, package, corpus, train_tokens, val_tokens, out, init_from, layout)
+            loggers = [LOGGERS[name](out) for name in log] if layout.main else []
         except BaseException:
             if created is not None:
                 shutil.rmtree(created, ignore_errors=True)
             raise
-        return _loop(run, steps, resume, eval_every or default_eval_every(steps), stop_after, display, log_every)
+        try:
+            return _loop(run, steps, resume, eval_every or default_eval_every(steps), stop_after, display, log_every,
+                         (*callbacks, *loggers) if layout.main else ())
+        finally:
+            for logger in loggers:
+                logger.close()
 
 
 def _setup(
@@ -792,7 +864,7 @@ def default_log_every(device: torch.device) -> int:
 
 
 def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int | None, display,
-          log_every: int | None = None) -> list[dict]:  # fmt: skip
+          log_every: int | None = None, callbacks: tuple = ()) -> list[dict]:  # fmt: skip
     say = display.print
     t = run.spec.training
     log_every = log_every or default_log_every(run.layout.device)
@@ -850,6 +922,8 @@ def _loop(run: Run, steps: int, resume: bool, eval_every: int, stop_after: int |
             for r in done:
                 records.append(r)
                 log.append(r)  # before the checkpoint: a resume from it finds this step's record
+                for callback in callbacks:
+                    callback(dict(r))
             if validate:
                 save_checkpoint(run, n)
                 last_saved = n

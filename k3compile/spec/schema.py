@@ -218,7 +218,10 @@ class MoE(_Frozen):
     )
     latent_norm: bool = Field(default=True, description="RMSNorm on the weighted expert sum before W_up (latent only).")
     capacity_factor: float = Field(
-        default=1.25, gt=0, le=64, description="Per-expert buffer = ceil(capacity_factor * tokens * k / n)."
+        default=1.25,
+        gt=0,
+        le=MAX_EXPERTS,
+        description="Per-expert buffer = min(tokens, ceil(capacity_factor * tokens * k / n)); n / k drops nothing.",
     )
     router: Router = Field(default_factory=Router, description="Router scoring and balancing.")
 

@@ -64,11 +64,10 @@ def make_hf_model_fixture():
 
 @pytest.fixture(scope="session")
 def imported(hf_model, tmp_path_factory) -> Path:
-    """`k3compile import-hf` of the tiny model (mode both), drop-free routing (capacity factor n/k) for exact logits."""
+    """`k3compile import-hf` of the tiny model (mode both), no overrides: the import itself is drop-free."""
     _, path = hf_model
     out = tmp_path_factory.mktemp("import") / "out"
-    drop_free = TINY["num_local_experts"] / TINY["num_experts_per_tok"]
-    assert k3("import-hf", path, "-o", out, "--set", f"moe.capacity_factor={drop_free}") == 0
+    assert k3("import-hf", path, "-o", out) == 0
     return out
 
 

@@ -54,6 +54,19 @@ def test_logits_match_transformers(hf_model, imported, tokens, rel_max):
     assert rel_max(infer_logits, ref) < 1e-5
 
 
+def test_capacity_binds_on_this_draw_and_set_overrides_the_drop_free_default(hf_model, imported, tokens, tmp_path, k3, rel_max):
+    """The import is drop-free by default (n/k); with the schema's 1.25 these tokens overflow an expert buffer."""
+    hf, hf_dir = hf_model
+    assert load_spec(imported / "spec.yaml").moe.capacity_factor == 8 / 2
+    binding = tmp_path / "binding"
+    assert k3("import-hf", hf_dir, "-o", binding, "--mode", "train", "--set", "moe.capacity_factor=1.25") == 0
+    assert load_spec(binding / "spec.yaml").moe.capacity_factor == 1.25
+    with torch.no_grad():
+        ref = hf(tokens).logits
+        assert rel_max(_model(binding)(tokens), ref) > 1e-3  # dropped choices change the logits
+        assert rel_max(_model(imported)(tokens), ref) < 1e-5
+
+
 def test_greedy_generation_matches_transformers(hf_model, imported, tokens):
     hf, _ = hf_model
     prompt = tokens[:1, :10]
@@ -168,3 +181,18 @@ def test_output_must_be_absent_or_empty(hf_model, tmp_path, cli):
     rc, _, err = cli("import-hf", hf_model[1], "-o", out)
     assert rc == 2 and "not an empty folder" in err
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+
+
+def test_the_tokenizer_files_are_copied(hf_model, tmp_path, k3):
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    _, hf_dir = hf_model
+    source = tmp_path / "hf"
+    shutil.copytree(hf_dir, source)
+    Tokenizer(WordLevel({"[UNK]": 0, "def": 1, "main": 2}, unk_token="[UNK]")).save(str(source / "tokenizer.json"))
+    (source / "tokenizer_config.json").write_text('{"model_max_length": 4096}')
+    assert k3("import-hf", source, "-o", tmp_path / "out", "--mode", "train") == 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (tmp_path / "out" / name).read_bytes() == (source / name).read_bytes()
+    assert not (tmp_path / "out" / "merges.txt").exists()
