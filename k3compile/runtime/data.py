@@ -211,7 +211,7 @@ def load_tokens(path: str | Path, vocab_size: int, *, dtype: str | None = None, 
 
 
 def split(data: bytes | bytearray | Tensor, seq_len: int, val_fraction: float = VAL_FRACTION) -> tuple[Tensor, Tensor]:
-    """(train, validation) uint8 tensors: the last `val_fraction` of the bytes, at least one window, is held out.
+    """(train, validation) tensors: the last `val_fraction` of the bytes or token ids, at least one window, is held out.
 
     A bytearray (what load_corpus reads) is shared, not copied: the tensors are views of it.
     """
@@ -223,10 +223,8 @@ def split(data: bytes | bytearray | Tensor, seq_len: int, val_fraction: float = 
             f"(one window for training and one for validation)"
         )
     n_val = max(math.ceil(len(data) * val_fraction), seq_len + 1)
-    if isinstance(data, Tensor):
-        tokens = data
-        train = tokens[: len(data) - n_val]
-        return train, tokens[len(data) - n_val :]
+    if isinstance(data, Tensor):  # token ids: views, in their stored dtype
+        return data[: len(data) - n_val], data[len(data) - n_val :]
     tokens = torch.frombuffer(data if isinstance(data, bytearray) else bytearray(data), dtype=torch.uint8)
     train = tokens[: len(data) - n_val]
     if bool((train == train[0]).all()):  # nothing to learn, and a unigram entropy of 0 to compare the loss with
